@@ -1,0 +1,9 @@
+"""Framework-neutral core of adaptive loss scaling: the config and the solver.
+
+Imports neither JAX nor PyTorch; ``jax_adaloss`` and ``torch_bridge`` build on it.
+"""
+
+from adaloss.config import (GRAD_FORMATS, STAT_MODELS, AdaLossConfig, FormatLimits,
+                            format_limits)
+
+__all__ = ["AdaLossConfig", "FormatLimits", "GRAD_FORMATS", "STAT_MODELS", "format_limits"]

@@ -1,0 +1,162 @@
+"""The one frozen, validated configuration that every front end consumes.
+
+``AdaLossConfig`` holds what the adaptive loss-scaling solver needs: the
+underflow threshold ``T``, the statistical model, the bounds and the gradient
+number format. It imports neither JAX nor PyTorch, so ``jax_adaloss`` and
+``torch_bridge`` share it (and the solver in :mod:`adaloss.solver`) unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from statistics import NormalDist
+from typing import Literal, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+StatModel = Literal["product", "output", "gradient"]
+STAT_MODELS: tuple[str, ...] = ("product", "output", "gradient")
+
+#: Gradient number formats the solver knows, by name.
+GRAD_FORMATS: dict[str, type] = {
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+}
+
+
+class FormatLimits(NamedTuple):
+    """Range of a gradient format: smallest positive (subnormal) and largest finite value."""
+
+    u_min: float
+    u_max: float
+
+
+def format_limits(grad_format: str) -> FormatLimits:
+    """``FormatLimits`` of a format named in ``GRAD_FORMATS``, read from ``ml_dtypes.finfo``."""
+    if grad_format not in GRAD_FORMATS:
+        raise ValueError(
+            f"grad_format must be one of {sorted(GRAD_FORMATS)}, got {grad_format!r}"
+        )
+    info = ml_dtypes.finfo(GRAD_FORMATS[grad_format])
+    return FormatLimits(float(info.smallest_subnormal), float(info.max))
+
+
+def _check(cond: bool, field: str, allowed: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"AdaLossConfig.{field} must be {allowed}, got {value!r}")
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaLossConfig:
+    """Configuration of adaptive loss scaling (Zhao et al., arXiv:1910.12385).
+
+    Attributes:
+      threshold: ``T``, the largest tolerated fraction of underflowing entries, in (0, 0.5).
+      model: statistical model of the quantity that must not underflow:
+        ``"product"`` (spread of one product g·W), ``"output"`` (spread of the
+        layer's input gradient, ``product`` times sqrt(relu_fraction·n)) or
+        ``"gradient"`` (spread of the incoming gradient alone).
+      layer_bound: largest scale one layer may apply; ``None``: the format's ``u_max``.
+      accum_bound: largest accumulated scale a gradient may carry; ``None``: ``u_max``.
+      power_of_two: round every scale down to a power of two (exact rescaling).
+      init_scale: scale multiplied into the loss cotangent before backprop.
+      grad_format: number format of the gradients: ``float16``, ``bfloat16``,
+        ``float8_e5m2`` or ``float8_e4m3fn``. ``u_min``/``u_max`` come from it.
+      u_min: override of the format's smallest subnormal (the authors used 6.0e-8).
+      u_max: override of the format's largest finite value.
+      update_every: recompute the statistical part of each layer's scale every
+        N calls and reuse it in between; the overflow caps always use the
+        current call's statistics.
+      relu_fraction: ``rho`` of the ``output`` model, the fraction of a layer's
+        fan-in assumed non-zero.
+      cast_rule: choose a scale (log-normal model) where backprop narrows a
+        cotangent, e.g. the fp32 loss cotangent cast to fp16.
+    """
+
+    threshold: float = 1e-3
+    model: StatModel = "product"
+    layer_bound: float | None = None
+    accum_bound: float | None = None
+    power_of_two: bool = True
+    init_scale: float = 1.0
+    grad_format: str = "float16"
+    u_min: float | None = None
+    u_max: float | None = None
+    update_every: int = 1
+    relu_fraction: float = 0.5
+    cast_rule: bool = True
+
+    def __post_init__(self) -> None:
+        _check(_is_real(self.threshold) and 0.0 < self.threshold < 0.5,
+               "threshold", "a float in (0, 0.5)", self.threshold)
+        _check(self.model in STAT_MODELS, "model", f"one of {STAT_MODELS}", self.model)
+        _check(self.grad_format in GRAD_FORMATS, "grad_format",
+               f"one of {sorted(GRAD_FORMATS)}", self.grad_format)
+        for name in ("u_min", "u_max"):
+            value = getattr(self, name)
+            _check(value is None or (_is_real(value) and value > 0), name,
+                   "None or a finite float > 0", value)
+        _check(self.underflow_limit < self.overflow_limit, "u_min",
+               f"below u_max ({self.overflow_limit})", self.underflow_limit)
+        for name in ("layer_bound", "accum_bound"):
+            value = getattr(self, name)
+            _check(value is None or (_is_real(value) and value >= 1), name,
+                   "None or a finite float >= 1", value)
+        _check(_is_real(self.init_scale) and self.init_scale > 0, "init_scale",
+               "a finite float > 0", self.init_scale)
+        _check(isinstance(self.power_of_two, bool), "power_of_two", "a bool", self.power_of_two)
+        _check(isinstance(self.cast_rule, bool), "cast_rule", "a bool", self.cast_rule)
+        _check(isinstance(self.update_every, int) and not isinstance(self.update_every, bool)
+               and self.update_every >= 1, "update_every", "an int >= 1", self.update_every)
+        _check(_is_real(self.relu_fraction) and 0 < self.relu_fraction <= 1,
+               "relu_fraction", "a float in (0, 1]", self.relu_fraction)
+
+    @classmethod
+    def authors_preset(cls, model: StatModel = "gradient", **overrides: object) -> AdaLossConfig:
+        """The authors' defaults: T=1e-3, layer bound 16, accumulated bound 1024,
+        powers of two, u_min=6.0e-8, u_max=65504 (fp16).
+
+        ``model`` defaults to ``"gradient"``, the model their final code runs
+        (their W-based models were unreachable there).
+        """
+        fields = dict(threshold=1e-3, model=model, layer_bound=16.0, accum_bound=1024.0,
+                      power_of_two=True, grad_format="float16", u_min=6.0e-8, u_max=65504.0)
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
+    # Resolved numbers (what the solver uses).
+    @property
+    def underflow_limit(self) -> float:
+        """``u_min``: the override, else the format's smallest subnormal."""
+        return self.u_min if self.u_min is not None else format_limits(self.grad_format).u_min
+
+    @property
+    def overflow_limit(self) -> float:
+        """``u_max``: the override, else the format's largest finite value."""
+        return self.u_max if self.u_max is not None else format_limits(self.grad_format).u_max
+
+    @property
+    def layer_limit(self) -> float:
+        return self.layer_bound if self.layer_bound is not None else self.overflow_limit
+
+    @property
+    def accum_limit(self) -> float:
+        return self.accum_bound if self.accum_bound is not None else self.overflow_limit
+
+    @property
+    def z_two_sided(self) -> float:
+        """``sqrt(2)·erfinv(T)``: a N(0, σ) entry lies below ``z·σ`` in magnitude with probability T."""
+        return NormalDist().inv_cdf((1.0 + self.threshold) / 2.0)
+
+    @property
+    def z_lower(self) -> float:
+        """``sqrt(2)·erfinv(2T - 1)``: the T-quantile of a standard normal (negative)."""
+        return NormalDist().inv_cdf(self.threshold)

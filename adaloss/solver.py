@@ -1,0 +1,214 @@
+"""The adaptive loss-scaling formulas, written once for every framework.
+
+Every function takes ``xp``, an array namespace (``jax.numpy``, or
+``array_api_compat.torch``), and works on fp32 0-d arrays of statistics, so the
+same code runs inside a jitted JAX backward and inside a PyTorch autograd hook
+with no host synchronisation.
+
+For a layer ``y = x·Wᵀ`` whose incoming cotangent ``g`` carries scale ``P``
+(method.md, steps 2-3):
+
+1. Spread σ of the quantity that must not underflow, by ``config.model``:
+
+   - ``product``:  σ² = E[g²]·E[W²]
+   - ``output``:   σ² = E[g²]·E[W²]·ρ·n
+   - ``gradient``: σ² = Var[g]
+
+2. Smallest scale putting at most a fraction T of a N(0, σ) quantity below
+   u_min: ``s = u_min / (σ·√2·erfinv(T))``; then ``s = max(s, 1)``.
+3. Overflow cap: ``s = min(s, u_max / (n·m))`` with ``m`` the largest possible
+   ``|g·W|`` (``gradient``: ``u_max / max|g|``); ``s = min(s, accum_bound / P)``;
+   ``s = min(s, layer_bound)``; round down to a power of two.
+
+A narrowing cast uses a log-normal model of the non-zero ``|g|``:
+``s = exp(ln u_min − μ_ln − σ_ln·√2·erfinv(2T − 1))``, then the same bounds
+with ``m = max|g|``. Fan-outs merge branches with :func:`merge_scale`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+from adaloss.config import AdaLossConfig
+
+Array = Any  # a 0-d or n-d array of the caller's framework
+
+
+class TensorStats(NamedTuple):
+    """fp32 statistics of a tensor over all entries, zeros included."""
+
+    mean: Array
+    var: Array  # population variance
+    min: Array
+    max: Array
+
+
+class LogStats(NamedTuple):
+    """fp32 statistics of ``ln|x|`` over the non-zero entries of ``x``."""
+
+    mean: Array
+    std: Array
+    count: Array  # number of non-zero entries (fp32)
+    absmax: Array  # max |x|
+
+
+class LayerScale(NamedTuple):
+    """A scale decision: ``scale`` (final), ``model_scale`` (statistical part,
+    after ``max(·, 1)``, before the caps) and ``sigma`` (the modelled spread)."""
+
+    scale: Array
+    model_scale: Array
+    sigma: Array
+
+
+def _f32(x: Array, xp: Any) -> Array:
+    return xp.astype(x, xp.float32)
+
+
+def tensor_stats(x: Array, xp: Any) -> TensorStats:
+    """Mean, population variance, min and max of ``x`` in fp32."""
+    x = _f32(x, xp)
+    return TensorStats(xp.mean(x), xp.var(x), xp.min(x), xp.max(x))
+
+
+def log_stats(x: Array, xp: Any) -> LogStats:
+    """Mean and std of ``ln|x|`` over the non-zero entries (zero count gives mean 0, std 0)."""
+    a = xp.abs(_f32(x, xp))
+    nz = a > 0
+    count = xp.sum(xp.astype(nz, xp.float32))
+    logs = xp.where(nz, xp.log(xp.where(nz, a, xp.ones_like(a))), xp.zeros_like(a))
+    denom = xp.maximum(count, xp.asarray(1.0, dtype=xp.float32))
+    mean = xp.sum(logs) / denom
+    var = xp.sum(xp.where(nz, (logs - mean) ** 2, xp.zeros_like(a))) / denom
+    return LogStats(mean, xp.sqrt(var), count, xp.max(a))
+
+
+def pow2_floor(x: Array, xp: Any) -> Array:
+    """Largest power of two ``<= x`` for positive finite ``x``, exactly (frexp/ldexp, not log2)."""
+    _, exponent = xp.frexp(x)
+    return xp.ldexp(xp.ones_like(x), exponent - 1)
+
+
+def model_sigma(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
+                fan_in: int, xp: Any) -> Array:
+    """σ of the quantity that must not underflow, by ``config.model``."""
+    if config.model == "gradient" or w is None:
+        return xp.sqrt(g.var)
+    sigma = xp.sqrt((g.var + g.mean**2) * (w.var + w.mean**2))
+    if config.model == "output":
+        sigma = sigma * float(config.relu_fraction * fan_in) ** 0.5
+    return sigma
+
+
+def _at_least_one(s: Array, xp: Any) -> Array:
+    """``max(s, 1)``; a non-finite or non-positive estimate (σ = 0: all-zero or
+    constant input, no spread to model) gives 1."""
+    one = xp.ones_like(s)
+    ok = xp.isfinite(s) & (s > 0)
+    return xp.maximum(xp.where(ok, s, one), one)
+
+
+def model_scale(config: AdaLossConfig, sigma: Array, xp: Any) -> Array:
+    """Step 2: ``max(u_min / (σ·√2·erfinv(T)), 1)``."""
+    return _at_least_one(config.underflow_limit / (sigma * config.z_two_sided), xp)
+
+
+def overflow_cap(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
+                 fan_in: int, xp: Any) -> Array:
+    """Largest scale that keeps the layer's output below u_max (inf when m = 0)."""
+    if config.model == "gradient" or w is None:
+        m = xp.maximum(xp.abs(g.min), xp.abs(g.max))
+        limit = config.overflow_limit
+    else:
+        m = xp.maximum(xp.maximum(xp.abs(g.min * w.min), xp.abs(g.min * w.max)),
+                       xp.maximum(xp.abs(g.max * w.min), xp.abs(g.max * w.max)))
+        limit = config.overflow_limit / fan_in
+    return _cap(limit, m, xp)
+
+
+def _cap(limit: float, m: Array, xp: Any) -> Array:
+    safe = xp.where(m > 0, m, xp.ones_like(m))
+    return xp.where(m > 0, limit / safe, xp.full_like(m, float("inf")))
+
+
+def bound_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
+                xp: Any) -> Array:
+    """Step 3 after ``max(s, 1)``: overflow cap, accumulated bound, layer bound,
+    power-of-two floor (the result may be < 1)."""
+    s = xp.minimum(s, cap)
+    s = xp.minimum(s, config.accum_limit / incoming)
+    s = xp.minimum(s, xp.full_like(s, config.layer_limit))
+    if config.power_of_two:
+        s = pow2_floor(s, xp)
+    return s
+
+
+def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
+                fan_in: int, incoming: Array, xp: Any,
+                cached_model_scale: Array | None = None) -> LayerScale:
+    """The scale a weighted layer applies to its input cotangent.
+
+    ``cached_model_scale`` replaces the statistical part (``update_every``);
+    the overflow caps always come from the current ``g`` and ``w``.
+    """
+    sigma = model_sigma(config, g, w, fan_in, xp)
+    s_model = model_scale(config, sigma, xp) if cached_model_scale is None else cached_model_scale
+    cap = overflow_cap(config, g, w, fan_in, xp)
+    return LayerScale(bound_scale(config, s_model, cap, incoming, xp), s_model, sigma)
+
+
+def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
+               cached_model_scale: Array | None = None) -> LayerScale:
+    """Scale for a cotangent about to be narrowed to the gradient format (log-normal model).
+
+    ``sigma`` in the result is σ_ln; an all-zero cotangent gives scale 1.
+    """
+    if cached_model_scale is None:
+        log_s = (xp.log(xp.asarray(config.underflow_limit, dtype=xp.float32))
+                 - ls.mean - ls.std * config.z_lower)
+        s_model = _at_least_one(xp.where(ls.count > 0, xp.exp(log_s), xp.ones_like(log_s)), xp)
+    else:
+        s_model = cached_model_scale
+    cap = _cap(config.overflow_limit, ls.absmax, xp)
+    return LayerScale(bound_scale(config, s_model, cap, incoming, xp), s_model, ls.std)
+
+
+def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float,
+                xp: Any) -> Array:
+    """Common scale for fan-out branches (method.md step 5).
+
+    ``M = max_b(max|g_b| / s_b)``; over the branch scales, largest first, take
+    the first ``S`` with ``M·S < u_max``; if none fits, halve the smallest
+    scale (down to 1/8 of it) until one does (1/8 of it if none does).
+    """
+    s = xp.stack([_f32(x, xp) for x in scales])
+    m = xp.max(xp.stack([_f32(a, xp) for a in absmaxes]) / s)
+    smallest = xp.min(s)
+    candidates = xp.concat([
+        xp.flip(xp.sort(s)),
+        xp.stack([smallest * 0.5, smallest * 0.25, smallest * 0.125]),
+    ])
+    fits = candidates * m < u_max
+    first = xp.argmax(xp.astype(fits, xp.int32))
+    return xp.where(xp.any(fits), xp.take(candidates, xp.reshape(first, (1,)))[0], smallest * 0.125)
+
+
+def predicted_underflow(config: AdaLossConfig, sigma: Array, scale: Array,
+                        erf: Callable[[Array], Array], xp: Any) -> Array:
+    """Fraction of a N(0, σ) quantity that still falls below u_min after scaling
+    by ``scale``: ``erf(u_min / (scale·σ·√2))`` (0 when σ = 0)."""
+    denom = scale * sigma * 2.0**0.5
+    safe = xp.where(denom > 0, denom, xp.ones_like(denom))
+    return xp.where(denom > 0, erf(config.underflow_limit / safe), xp.zeros_like(denom))
+
+
+def predicted_underflow_lognormal(config: AdaLossConfig, ls: LogStats, scale: Array,
+                                  erf: Callable[[Array], Array], xp: Any) -> Array:
+    """Fraction of the non-zero ``|g|`` (log-normal) still below u_min after scaling:
+    ``Φ((ln(u_min / scale) − μ_ln) / σ_ln)``."""
+    z = xp.log(config.underflow_limit / scale) - ls.mean
+    safe = xp.where(ls.std > 0, ls.std, xp.ones_like(ls.std))
+    smooth = 0.5 * (1.0 + erf(z / (safe * 2.0**0.5)))
+    step = xp.astype(z > 0, xp.float32)
+    out = xp.where(ls.std > 0, smooth, step)
+    return xp.where(ls.count > 0, out, xp.zeros_like(out))

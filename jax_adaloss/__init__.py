@@ -1,0 +1,16 @@
+"""Adaptive (per-layer, statistics-driven) loss scaling for JAX and optax.
+
+>>> import jax_adaloss, optax
+>>> grads = jax_adaloss.grad(loss_fn)(params, batch)           # doctest: +SKIP
+>>> tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))            # doctest: +SKIP
+"""
+
+from adaloss.config import AdaLossConfig
+from jax_adaloss.api import grad, value_and_grad
+from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
+from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, unscale_tree
+
+__all__ = [
+    "AdaLossConfig", "BackwardReport", "LayerReport", "ScaleCache", "ScaledGrad",
+    "grad", "is_scaled_grad", "unscale_tree", "value_and_grad",
+]

@@ -1,0 +1,341 @@
+"""Scale-propagating backward pass over unmodified JAX functions.
+
+The function is traced to a jaxpr once; the forward pass re-binds each equation
+(recursing into nested ``jit`` and ``jax.checkpoint``) and keeps a ``jax.vjp``
+per equation, so the reverse sweep is ours and knows, for every
+``dot_general``/``conv_general_dilated``, which operand is the weight:
+
+- a *weight* is a value computed only from the differentiated arguments and
+  constants (fp16 casts, reshapes, transposes, masks included); an
+  *activation* depends on a non-differentiated argument (the batch);
+- a layer ``y = x·W`` with incoming cotangent ``g`` (scale ``P``) sends
+  ``vjp_x(s·g)`` (scale ``P·s``) to ``x`` and ``vjp_W(g)`` (scale ``P``) to ``W``,
+  ``s`` from :func:`adaloss.solver.layer_scale`;
+- a forward widening cast (e.g. fp16 logits → fp32 loss) is a narrowing cast
+  of the cotangent: its scale comes from the log-normal model before narrowing;
+- every other equation (activations, norms, softmax, attention products,
+  gathers, ``custom_jvp``/``custom_vjp`` functions, ``scan``/``while``/``cond``
+  as one opaque block) is linear in its cotangent and passes the scale through;
+- contributions to one value that carry different scales (residual stream,
+  q/k/v fan-out, tied weights) are merged by :func:`adaloss.solver.merge_scale`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from adaloss import solver
+from adaloss.config import AdaLossConfig
+from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
+
+_CONST = "<const>"  # origin of values computed from constants only
+_INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                 "core_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+_WEIGHTED = ("dot_general", "conv_general_dilated")
+_F32 = jnp.float32
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _combine(origins: Sequence[str | None]) -> str | None:
+    """Origin of an output: ``None`` (activation) if any input is one, else the
+    first weight name, else ``_CONST``."""
+    if any(o is None for o in origins):
+        return None
+    names = [o for o in origins if o != _CONST]
+    return names[0] if names else _CONST
+
+
+@dataclasses.dataclass
+class _Node:
+    kind: str  # "op" | "layer" | "cast"
+    ins: list[int]
+    outs: list[int]
+    vjp: Callable[[list[Any]], tuple[Any, ...]] | None
+    diff: tuple[int, ...]  # input positions the vjp differentiates, in its output order
+    name: str = ""
+    act: int = -1  # index into ``diff`` of the activation operand
+    wgt: int = -1  # index into ``diff`` of the weight operand (-1: weight not differentiated)
+    weight: Any = None
+    fan_in: int = 1
+
+
+class _Tape:
+    """Forward pass that records a vjp per equation and each value's origin."""
+
+    def __init__(self, config: AdaLossConfig) -> None:
+        self.config = config
+        self.values: list[Any] = []
+        self.origin: list[str | None] = []
+        self.needs: list[bool] = []
+        self.nodes: list[_Node] = []
+        self._names: dict[str, int] = defaultdict(int)
+        self._consts = 0
+        self._casts = 0
+
+    def slot(self, value: Any, origin: str | None, needs: bool) -> int:
+        self.values.append(value)
+        self.origin.append(origin)
+        self.needs.append(needs)
+        return len(self.values) - 1
+
+    def _unique(self, name: str) -> str:
+        k = self._names[name]
+        self._names[name] += 1
+        return name if k == 0 else f"{name}@{k}"
+
+    def run(self, jaxpr: jcore.Jaxpr, const_slots: Sequence[int],
+            in_slots: Sequence[int]) -> list[int]:
+        env: dict[Any, int] = {}
+        env.update(zip(jaxpr.constvars, const_slots))
+        env.update(zip(jaxpr.invars, in_slots))
+
+        def read(atom: Any) -> int:
+            if isinstance(atom, jcore.Literal):
+                return self.slot(atom.val, _CONST, False)
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            prim = eqn.primitive.name
+            if prim in _INLINE_PARAM:
+                sub = eqn.params[_INLINE_PARAM[prim]]
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    consts = [self.slot(c, _CONST, False) for c in sub.consts]
+                    sub = sub.jaxpr
+                else:
+                    consts = []
+                outs = self.run(sub, consts, ins)
+            else:
+                outs = self._bind(eqn, ins)
+            for var, s in zip(eqn.outvars, outs):
+                env[var] = s
+        return [read(a) for a in jaxpr.outvars]
+
+    def _bind(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+        prim = eqn.primitive
+        params = prim.get_bind_params(eqn.params)
+        vals = [self.values[s] for s in ins]
+
+        def bind(*xs: Any) -> list[Any]:
+            out = prim.bind(*xs, **params)
+            return list(out) if prim.multiple_results else [out]
+
+        diff = tuple(i for i, s in enumerate(ins) if self.needs[s])
+        if diff:
+            def f(*dx: Any) -> list[Any]:
+                xs = list(vals)
+                for i, x in zip(diff, dx):
+                    xs[i] = x
+                return bind(*xs)
+            out_vals, vjp = jax.vjp(f, *[vals[i] for i in diff])
+        else:
+            out_vals, vjp = bind(*vals), None
+        origin = _combine([self.origin[s] for s in ins])
+        outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
+                for v in out_vals]
+        node = _Node("op", ins, outs, vjp, diff)
+        if vjp is not None:
+            self._classify(node, eqn, vals)
+            self.nodes.append(node)
+        return outs
+
+    def _classify(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
+        prim = eqn.primitive.name
+        if prim in _WEIGHTED and len(node.ins) == 2:
+            origins = [self.origin[s] for s in node.ins]
+            weights = [i for i in (0, 1) if origins[i] is not None]
+            if len(weights) != 1 or (prim == "conv_general_dilated" and weights[0] != 1):
+                return
+            w, x = weights[0], 1 - weights[0]
+            if x not in node.diff:
+                return
+            name = origins[w]
+            if name == _CONST:
+                name = f"const:{self._consts}"
+                self._consts += 1
+            node.kind, node.name = "layer", self._unique(name)
+            node.act = node.diff.index(x)
+            node.wgt = node.diff.index(w) if w in node.diff else -1
+            node.weight = vals[w]
+            node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
+        elif (prim == "convert_element_type" and self.config.cast_rule
+              and node.diff == (0,)):
+            src = jnp.dtype(jnp.result_type(vals[0]))
+            dst = jnp.dtype(eqn.params["new_dtype"])
+            if _is_float(src) and _is_float(dst) and src.itemsize < dst.itemsize <= 8 \
+                    and src.itemsize <= 2:
+                node.kind, node.name = "cast", f"cast:{self._casts}"
+                self._casts += 1
+
+
+def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
+    """Terms summed into each entry of the activation's gradient."""
+    if eqn.primitive.name == "dot_general":
+        (contract, batch) = eqn.params["dimension_numbers"]
+        skip = set(contract[w]) | set(batch[w])
+        return math.prod(d for i, d in enumerate(shape) if i not in skip)
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+    groups = eqn.params["feature_group_count"]
+    return math.prod(shape) // shape[rhs_spec[1]] // groups
+
+
+class _Sweep:
+    """Reverse sweep over a ``_Tape``: cotangents with the scales they carry."""
+
+    def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None) -> None:
+        self.tape, self.config = tape, config
+        self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
+        self.layers: dict[str, LayerReport] = {}
+        self.model_scales: dict[str, Any] = {}
+        self.cache = cache
+        step = cache.step if cache is not None else jnp.zeros((), jnp.int32)
+        self.recompute = (step % config.update_every) == 0
+        self.step = step
+
+    # -- merging ----------------------------------------------------------------
+    def _u_max(self, dtype: Any) -> float:
+        dtype = jnp.dtype(dtype)
+        return float(jnp.finfo(dtype).max) if dtype.itemsize > 2 else self.config.overflow_limit
+
+    def merge(self, parts: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+        """Sum contributions, bringing different scales to one (method.md step 5)."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0][1]
+        if all(p[1] is first for p in parts):
+            return _sum([p[0] for p in parts]), first
+        dtype = jnp.result_type(parts[0][0])
+        absmax = [jnp.max(jnp.abs(p[0])).astype(_F32) for p in parts]
+        target = solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp)
+        return _sum([_rescale(ct, target / s) for ct, s in parts]), target
+
+    def take(self, slot: int) -> tuple[Any, Any] | None:
+        parts = self.cts.pop(slot, None)
+        return self.merge(parts) if parts else None
+
+    # -- the sweep --------------------------------------------------------------
+    def run(self, out_slot: int, seed: Any, seed_scale: Any) -> None:
+        self.cts[out_slot].append((seed, seed_scale))
+        for node in reversed(self.tape.nodes):
+            got = [self.take(s) for s in node.outs]
+            present = [g for g in got if g is not None]
+            if not present:
+                continue
+            if len(present) > 1:
+                _, scale = self.merge(present)  # common scale for a multi-output op
+                got = [None if g is None else (_rescale(g[0], scale / g[1]) if g[1] is not scale
+                                               else g[0], scale) for g in got]
+            else:
+                scale = present[0][1]
+            out_cts = [g[0] if g is not None else _zero_ct(self.tape.values[s])
+                       for g, s in zip(got, node.outs)]
+            if node.kind == "layer":
+                self._layer(node, out_cts[0], scale)
+            elif node.kind == "cast":
+                self._cast(node, out_cts[0], scale)
+            else:
+                for pos, ct in zip(node.diff, node.vjp(out_cts)):
+                    self.cts[node.ins[pos]].append((ct, scale))
+
+    def _cached(self, name: str, fresh: Any) -> Any:
+        self.model_scales[name] = fresh
+        if self.cache is None or self.config.update_every == 1:
+            return fresh
+        return jnp.where(self.recompute, fresh, self.cache.model_scales[name])
+
+    def _layer(self, node: _Node, g: Any, incoming: Any) -> None:
+        cfg = self.config
+        g_stats = solver.tensor_stats(g, jnp)
+        w_stats = None if cfg.model == "gradient" else solver.tensor_stats(node.weight, jnp)
+        sigma = solver.model_sigma(cfg, g_stats, w_stats, node.fan_in, jnp)
+        use = self._cached(node.name, solver.model_scale(cfg, sigma, jnp))
+        d = solver.layer_scale(cfg, g_stats, w_stats, node.fan_in, incoming, jnp,
+                               cached_model_scale=use)
+        outgoing = incoming * d.scale
+        act_ct = node.vjp([_rescale(g, d.scale)])[node.act]
+        self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
+        if node.wgt >= 0:
+            w_ct = node.vjp([g])[node.wgt]
+            self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
+        pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
+        self._report(node, d, incoming, outgoing, pred,
+                     jnp.maximum(jnp.abs(g_stats.min), jnp.abs(g_stats.max)))
+
+    def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
+        cfg = self.config
+        ls = solver.log_stats(g, jnp)
+        use = self._cached(node.name, solver.cast_scale(cfg, ls, incoming, jnp).model_scale)
+        d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=use)
+        outgoing = incoming * d.scale
+        (ct,) = node.vjp([_rescale(g, d.scale)])
+        self.cts[node.ins[0]].append((ct, outgoing))
+        pred = solver.predicted_underflow_lognormal(cfg, ls, d.scale, jax.scipy.special.erf, jnp)
+        self._report(node, d, incoming, outgoing, pred, ls.absmax)
+
+    def _report(self, node: _Node, d: solver.LayerScale, incoming: Any, outgoing: Any,
+                pred: Any, absmax: Any) -> None:
+        self.layers[node.name] = LayerReport(
+            scale=d.scale, model_scale=d.model_scale, sigma=d.sigma,
+            incoming_scale=incoming, outgoing_scale=outgoing, predicted_underflow=pred,
+            grad_absmax=absmax, fan_in=jnp.asarray(node.fan_in, jnp.int32))
+
+    def report(self) -> BackwardReport:
+        return BackwardReport(self.layers, ScaleCache(self.step + 1, self.model_scales))
+
+
+def _sum(xs: list[Any]) -> Any:
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    return total
+
+
+def _rescale(ct: Any, factor: Any) -> Any:
+    """``ct · factor`` computed in (at least) fp32, returned in ``ct``'s dtype."""
+    dtype = jnp.result_type(ct)
+    if not _is_float(dtype):
+        return ct
+    wide = jnp.promote_types(dtype, _F32)
+    return (ct.astype(wide) * factor.astype(wide)).astype(dtype)
+
+
+def _zero_ct(value: Any) -> Any:
+    dtype = jnp.result_type(value)
+    if _is_float(dtype):
+        return jnp.zeros(np.shape(value), dtype)
+    return np.zeros(np.shape(value), jax.dtypes.float0)
+
+
+def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any],
+                    diff_names: Sequence[str | None], config: AdaLossConfig,
+                    cache: ScaleCache | None) -> tuple[list[Any], list[tuple[Any, Any] | None],
+                                                       BackwardReport]:
+    """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
+
+    ``diff_names[i]`` names flat argument ``i`` if it is differentiated (``None``
+    otherwise). Returns the outputs, ``(cotangent, scale)`` (or ``None``: unused)
+    per flat argument, and the report.
+    """
+    tape = _Tape(config)
+    in_slots = [tape.slot(a, n, n is not None) for a, n in zip(flat_args, diff_names)]
+    consts = [tape.slot(c, _CONST, False) for c in jaxpr.consts]
+    out_slots = tape.run(jaxpr.jaxpr, consts, in_slots)
+    outs = [tape.values[s] for s in out_slots]
+    sweep = _Sweep(tape, config, cache)
+    loss = outs[0]
+    seed_scale = jnp.asarray(config.init_scale, _F32)
+    seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))
+    sweep.run(out_slots[0], seed, seed_scale)
+    grads = [sweep.take(s) if n is not None else None for s, n in zip(in_slots, diff_names)]
+    return outs, grads, sweep.report()

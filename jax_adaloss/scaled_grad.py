@@ -1,0 +1,37 @@
+"""``ScaledGrad``: a gradient that carries the loss scale it was computed under."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ScaledGrad(NamedTuple):
+    """A scaled gradient: the true gradient is ``value / scale``.
+
+    Attributes:
+      value: the scaled gradient, in the dtype of the parameter it belongs to.
+      scale: fp32 scalar, the product of every scale applied downstream of it.
+    """
+
+    value: jax.Array
+    scale: jax.Array
+
+    def unscale(self, dtype: Any = None) -> jax.Array:
+        """``value / scale`` computed in fp32 (or wider if ``value`` is wider), cast to ``dtype``."""
+        wide = jnp.promote_types(self.value.dtype, jnp.float32)
+        out = self.value.astype(wide) / self.scale.astype(wide)
+        return out if dtype is None else out.astype(dtype)
+
+
+def is_scaled_grad(x: Any) -> bool:
+    """``is_leaf`` predicate that stops tree traversal at ``ScaledGrad`` nodes."""
+    return isinstance(x, ScaledGrad)
+
+
+def unscale_tree(grads: Any) -> Any:
+    """Replace every ``ScaledGrad`` in ``grads`` by its fp32 unscaled value; other leaves pass through."""
+    return jax.tree.map(lambda g: g.unscale() if isinstance(g, ScaledGrad) else g,
+                        grads, is_leaf=is_scaled_grad)
