@@ -9,8 +9,9 @@ from adaloss.config import AdaLossConfig
 from jax_adaloss.api import grad, value_and_grad
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, unscale_tree
+from jax_adaloss.transform import AdaLossState, adaloss
 
 __all__ = [
-    "AdaLossConfig", "BackwardReport", "LayerReport", "ScaleCache", "ScaledGrad",
+    "AdaLossConfig", "AdaLossState", "BackwardReport", "LayerReport", "ScaleCache", "ScaledGrad", "adaloss",
     "grad", "is_scaled_grad", "unscale_tree", "value_and_grad",
 ]

@@ -1,0 +1,135 @@
+"""``adaloss()``: the optax transformation that unscales adaptive-scaled gradients.
+
+Each :class:`ScaledGrad` leaf is divided by its own scale in fp32; plain arrays
+(from ``jax.grad``) pass through unchanged. A step whose unscaled gradients are
+not all finite is skipped and counted, with no exception and no host sync.
+
+Two forms:
+
+- ``optax.chain(adaloss(), optax.adam(1e-3))``: on a skipped step this link
+  emits zero updates, but later links still run on them (adam decays its
+  moments, and its momentum still moves the parameters).
+- ``adaloss(inner=optax.adam(1e-3))``: the guaranteed skip. ``inner`` runs on
+  the unscaled gradients and, on a skipped step, its state is kept as it was
+  and the updates are zero, so neither the parameters nor any optimizer state
+  change. Use this form (``inner`` may be any optax transformation, a chain,
+  or ``optax.MultiSteps``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adaloss.config import AdaLossConfig
+from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad
+
+
+class AdaLossState(NamedTuple):
+    """State of :func:`adaloss`; read fields with ``optax.tree.get(state, "skipped")``.
+
+    Attributes:
+      count: updates seen (int32).
+      skipped: updates skipped because a gradient was not finite (int32).
+      consecutive_skipped: skipped updates since the last finite one (int32).
+      last_finite: whether the last update's gradients were all finite.
+      scales: per-leaf fp32 scale of the last update's gradients (1 for plain arrays).
+      inner_state: state of ``inner`` (``optax.EmptyState()`` without one).
+    """
+
+    count: jax.Array
+    skipped: jax.Array
+    consecutive_skipped: jax.Array
+    last_finite: jax.Array
+    scales: Any
+    inner_state: Any
+
+
+def _one(_: Any) -> jax.Array:
+    return jnp.ones((), jnp.float32)
+
+
+def _unscale(g: Any) -> Any:
+    if isinstance(g, ScaledGrad):
+        return g.unscale()
+    return g
+
+
+def _scale_of(g: Any) -> jax.Array:
+    return jnp.asarray(g.scale, jnp.float32) if isinstance(g, ScaledGrad) else _one(g)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree)
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _zero_nonfinite(tree: Any, finite: jax.Array) -> Any:
+    def f(x: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.where(finite, x, jnp.zeros_like(x))
+        return x
+    return jax.tree.map(f, tree)
+
+
+def adaloss(config: AdaLossConfig | None = None,
+            inner: optax.GradientTransformation | None = None
+            ) -> optax.GradientTransformationExtraArgs:
+    """Unscale per-leaf scaled gradients in fp32 and skip non-finite steps.
+
+    Args:
+      config: the :class:`AdaLossConfig` (kept for symmetry with the backward;
+        unscaling needs only the scales the gradients carry).
+      inner: optional transformation to run on the unscaled gradients with a
+        guaranteed skip (see the module docstring).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with :class:`AdaLossState`.
+    """
+    if config is not None and not isinstance(config, AdaLossConfig):
+        raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+    if inner is not None and hasattr(inner, "gradient_transformation"):
+        inner = inner.gradient_transformation()  # optax.MultiSteps
+    if inner is not None and not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(f"inner must be an optax GradientTransformation, got {type(inner).__name__}")
+    wrapped = optax.with_extra_args_support(inner) if inner is not None else None
+
+    def init(params: Any) -> AdaLossState:
+        zero = jnp.zeros((), jnp.int32)
+        return AdaLossState(
+            count=zero, skipped=zero, consecutive_skipped=zero,
+            last_finite=jnp.asarray(True),
+            scales=jax.tree.map(_one, params),
+            inner_state=wrapped.init(params) if wrapped is not None else optax.EmptyState(),
+        )
+
+    def update(updates: Any, state: AdaLossState, params: Any = None,
+               **extra_args: Any) -> tuple[Any, AdaLossState]:
+        unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
+        scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
+        finite = _all_finite(unscaled)
+        unscaled = _zero_nonfinite(unscaled, finite)
+        inner_state = state.inner_state
+        if wrapped is not None:
+            new_updates, new_inner = wrapped.update(unscaled, inner_state, params, **extra_args)
+            new_updates = _zero_nonfinite(new_updates, finite)
+            inner_state = optax.tree.where(finite, new_inner, inner_state)
+        else:
+            new_updates = unscaled
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        return new_updates, AdaLossState(
+            count=optax.safe_increment(state.count),
+            skipped=state.skipped + skipped,
+            consecutive_skipped=jnp.where(finite, 0, state.consecutive_skipped + 1),
+            last_finite=finite,
+            scales=scales,
+            inner_state=inner_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)

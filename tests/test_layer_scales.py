@@ -1,0 +1,84 @@
+"""Per-layer scales of a 2-layer network, computed by hand (numpy) for each model.
+
+Network: tokens -> embedding E (gather) -> Dense W1 -> relu -> Dense W2 -> y;
+loss = sum(y * r) in fp16, so the cotangent reaching W2 is exactly r (scale 1).
+"""
+
+import math
+from statistics import NormalDist
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_adaloss
+from jax_adaloss import AdaLossConfig
+
+U_MIN, U_MAX = 2.0**-24, 65504.0
+Z = NormalDist().inv_cdf(0.5 + 1e-3 / 2)  # sqrt(2)·erfinv(T)
+
+
+def expected_scale(model, g, w, n, incoming, layer_bound=U_MAX, accum_bound=U_MAX):
+    g = g.astype(np.float64)
+    w = w.astype(np.float64)
+    if model == "gradient":
+        sigma = g.std()
+        m, limit = np.abs(g).max(), U_MAX
+    else:
+        sigma = math.sqrt((g**2).mean() * (w**2).mean())
+        if model == "output":
+            sigma *= math.sqrt(0.5 * n)
+        m = max(abs(a * b) for a in (g.min(), g.max()) for b in (w.min(), w.max()))
+        limit = U_MAX / n
+    s = max(U_MIN / (sigma * Z), 1.0)
+    s = min(s, limit / m, accum_bound / incoming, layer_bound)
+    return 2.0 ** math.floor(math.log2(s))
+
+
+def setup():
+    rng = np.random.default_rng(0)
+    params = {"E": rng.normal(0, 1, (11, 16)).astype(np.float16),
+              "W1": rng.normal(0, 0.3, (16, 32)).astype(np.float16),
+              "W2": rng.normal(0, 0.2, (32, 8)).astype(np.float16)}
+    tokens = rng.integers(0, 11, (6,))
+    r = (rng.normal(0, 1e-6, (6, 8))).astype(np.float16)
+    return params, tokens, r
+
+
+def loss(p, tokens, r):
+    h0 = p["E"][tokens]
+    h1 = jax.nn.relu(h0 @ p["W1"])
+    return jnp.sum(h1 @ p["W2"] * r)
+
+
+@pytest.mark.parametrize("model", ["product", "output", "gradient"])
+@pytest.mark.parametrize("bounds", [{}, {"layer_bound": 16.0, "accum_bound": 1024.0}])
+def test_two_layer_scales_by_hand(model, bounds):
+    params, tokens, r = setup()
+    cfg = AdaLossConfig(model=model, **bounds)
+    grads, report = jax.jit(jax_adaloss.grad(loss, config=cfg, return_report=True))(
+        params, tokens, r)
+    lb = {k: v for k, v in bounds.items()}
+
+    s2 = expected_scale(model, r, params["W2"], 8, 1.0, **lb)
+    h1 = np.maximum(params["E"][tokens].astype(np.float32) @ params["W1"].astype(np.float32), 0)
+    h1 = h1.astype(np.float16)
+    g1 = ((r.astype(np.float32) * s2).astype(np.float16).astype(np.float32)
+          @ params["W2"].astype(np.float32).T).astype(np.float16) * (h1 > 0)
+    s1 = expected_scale(model, g1, params["W1"], 32, s2, **lb)
+
+    # jnp.sum accumulates fp16 in fp32: its cast sees a cotangent of ones, scale 1
+    assert set(report.layers) == {"W1", "W2", "cast:0"}
+    assert float(report.layers["cast:0"].scale) == 1.0
+    assert float(report.layers["W2"].scale) == s2
+    assert float(report.layers["W1"].scale) == s1
+    assert float(report.layers["W1"].incoming_scale) == s2
+    assert float(report.layers["W1"].outgoing_scale) == s1 * s2
+    assert int(report.layers["W1"].fan_in) == 32
+    # each gradient carries the scale of the cotangent it was computed from
+    assert float(grads["W2"].scale) == 1.0
+    assert float(grads["W1"].scale) == s2
+    assert float(grads["E"].scale) == s1 * s2
+    # at least one scale is non-trivial, so the test means something
+    assert max(s1, s2) > 1.0
