@@ -1,0 +1,169 @@
+"""Nested jit, custom_jvp/custom_vjp, checkpoint, scan/cond (opaque blocks), Flax nnx, errors."""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models import xent
+from test_gradients_match_fp32 import TOL, _rel_err
+
+import jax_adaloss
+
+F16, F32 = jnp.float16, jnp.float32
+KEY = jax.random.key(0)
+X = jax.random.normal(KEY, (32, 16))
+Y = jax.random.randint(jax.random.key(1), (32,), 0, 10)
+
+
+def _p(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"a": jnp.asarray(rng.normal(0, 0.25, (16, 32)), F32),
+            "b": jnp.asarray(rng.normal(0, 0.2, (32, 32)), F32),
+            "c": jnp.asarray(rng.normal(0, 0.2, (32, 10)), F32)}
+
+
+@jax.custom_vjp
+def double_grad_tanh(x):
+    return jnp.tanh(x)
+
+
+double_grad_tanh.defvjp(lambda x: (jnp.tanh(x), x),
+                        lambda x, g: (2 * g * (1 - jnp.tanh(x) ** 2),))
+
+
+def _compare(body, params=None):
+    params = _p() if params is None else params
+
+    def loss(p, x, y, dt):
+        q = jax.tree.map(lambda a: a.astype(dt), p)
+        return 1e-6 * xent(body(q, x.astype(dt)), y)
+
+    ref = jax.jit(jax.grad(loss), static_argnums=3)(params, X, Y, F32)
+    grads, report = jax.jit(jax_adaloss.grad(loss, return_report=True),
+                            static_argnums=3)(params, X, Y, F16)
+    for k in ref:
+        assert _rel_err(grads[k].unscale(), ref[k]) < TOL, k
+    return grads, report
+
+
+def test_nested_jit_custom_jvp_and_custom_vjp():
+    @jax.jit
+    def inner(q, h):
+        return jax.nn.relu(h @ q["b"])  # relu is a custom_jvp function
+
+    _, report = _compare(lambda q, x: double_grad_tanh(inner(q, x @ q["a"])) @ q["c"])
+    assert {"b", "c"} <= set(report.layers)  # the dot inside the nested jit is a layer
+
+
+def test_custom_vjp_rule_is_respected():
+    def f(x):
+        return jnp.sum(double_grad_tanh(x))
+    x = jnp.linspace(-1, 1, 5)
+    g = jax_adaloss.grad(f, config=jax_adaloss.AdaLossConfig(cast_rule=False))(x)
+    np.testing.assert_allclose(g.unscale(), 2 * (1 - jnp.tanh(x) ** 2), rtol=1e-6)
+
+
+def test_checkpoint_is_differentiated_through():
+    body = jax.checkpoint(lambda q, h: jax.nn.gelu(h @ q["b"]))
+    _, report = _compare(lambda q, x: body(q, jnp.tanh(x @ q["a"])) @ q["c"])
+    assert "b" in report.layers
+
+
+def test_scan_is_one_opaque_block_passing_the_scale_through():
+    def body(q, x):
+        h = jnp.tanh(x @ q["a"])
+        h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ q["b"]), None), h, None, length=2)
+        return h @ q["c"]
+
+    grads, report = _compare(body)
+    # no layer inside the scan; the weight used inside gets the scale that entered the scan
+    assert "b" not in report.layers and "c" in report.layers
+    assert float(grads["b"].scale) == float(report.layers["c"].outgoing_scale)
+
+
+def test_cond_is_one_opaque_block():
+    def body(q, x):
+        h = jnp.tanh(x @ q["a"])
+        h = jax.lax.cond(True, lambda h: jnp.tanh(h @ q["b"]), lambda h: h, h)
+        return h @ q["c"]
+
+    _, report = _compare(body)
+    assert "b" not in report.layers
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, dtype=F16, rngs=rngs)
+        self.norm = nnx.LayerNorm(32, dtype=F16, rngs=rngs)
+        self.l2 = nnx.Linear(32, 10, dtype=F16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.gelu(self.norm(self.l1(x))))
+
+
+def test_flax_nnx_model():
+    model = NnxMLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params, x, y, dt):
+        m = nnx.merge(graphdef, params)
+        if dt == F32:
+            m.l1.dtype = m.norm.dtype = m.l2.dtype = F32
+        return 1e-6 * xent(m(x.astype(dt)), y)
+
+    ref = jax.grad(loss)(params, X, Y, F32)
+    grads, report = jax.jit(jax_adaloss.grad(loss, return_report=True), static_argnums=3)(
+        params, X, Y, F16)
+    assert any("l2" in k for k in report.layers)
+    flat_ref = jax.tree.leaves(ref)
+    flat = jax.tree.leaves(grads, is_leaf=jax_adaloss.is_scaled_grad)
+    assert len(flat) == len(flat_ref)
+    for g, r in zip(flat, flat_ref):
+        assert _rel_err(g.unscale(), r) < TOL
+
+
+def test_argnums_tuple_has_aux_and_structure():
+    p = _p()
+
+    def loss(p, w, x):
+        return jnp.sum(jnp.tanh(x @ p["a"]) @ w), {"n": 3}
+
+    w = jnp.ones((32, 1))
+    (v, aux), (gp, gw) = jax_adaloss.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, w, X)
+    rv, (rp, rw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, w, X)
+    assert aux == {"n": 3} and float(v) == pytest.approx(float(rv[0]), rel=1e-6)
+    assert jax.tree.structure(jax_adaloss.unscale_tree(gp)) == jax.tree.structure(rp)
+    np.testing.assert_allclose(gw.unscale(), rw, rtol=1e-5)
+    assert isinstance(gp["b"], jax_adaloss.ScaledGrad) and float(jnp.abs(gp["b"].value).sum()) == 0
+
+
+def test_integer_inputs_and_bad_outputs_raise_like_jax():
+    with pytest.raises(TypeError, match="allow_int"):
+        jax_adaloss.grad(lambda i: jnp.sum(i * 1.0))(jnp.arange(3))
+    g = jax_adaloss.grad(lambda i, x: jnp.sum(i * x), argnums=(0, 1), allow_int=True)(
+        jnp.arange(3), jnp.ones(3))
+    assert g[0].dtype == jax.dtypes.float0
+    with pytest.raises(TypeError, match="scalar-output"):
+        jax_adaloss.grad(lambda x: x * 2)(jnp.ones(3))
+
+
+def test_update_every_reuses_statistical_scales_but_not_caps():
+    cfg = jax_adaloss.AdaLossConfig(update_every=3)
+    with pytest.raises(ValueError, match="return_report"):
+        jax_adaloss.grad(lambda x: x, config=cfg)
+
+    def loss(p, x, k):
+        return jnp.sum(jnp.tanh(x.astype(F16) @ p["a"].astype(F16)) @ p["b"].astype(F16)) * k
+
+    f = jax.jit(jax_adaloss.grad(loss, config=cfg, return_report=True))
+    p = _p()
+    _, r0 = f(p, X, 1e-4)
+    _, r1 = f(p, X, 1e-2, adaloss_cache=r0.cache)  # step 1: reuse step 0's model scale
+    assert int(r1.cache.step) == 2
+    np.testing.assert_array_equal(r1.layers["b"].model_scale, r0.layers["b"].model_scale)
+    _, r3 = f(p, X, 1e-2, adaloss_cache=r1.cache._replace(step=jnp.asarray(3)))  # recompute
+    assert float(r3.layers["b"].model_scale) != float(r0.layers["b"].model_scale)
+    # caps use the current gradient: a huge loss now caps the reused scale
+    _, rbig = f(p, X, 3e3, adaloss_cache=r0.cache)
+    assert float(rbig.layers["b"].scale) < float(r0.layers["b"].scale)
