@@ -1,0 +1,171 @@
+"""A small char-level GPT (Flax nnx) trained in fp16 with adaptive loss scaling.
+
+    python examples/char_gpt.py --steps 300
+
+Trains the same model from the same initial weights three ways — fp32, fp16
+with no loss scaling, fp16 with ``adaloss`` — and prints the loss curves side
+by side, the skipped steps and the per-layer scales of the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import jax_adaloss
+
+TEXT = """\
+First Citizen: Before we proceed any further, hear me speak.
+All: Speak, speak.
+First Citizen: You are all resolved rather to die than to famish?
+All: Resolved. resolved.
+First Citizen: First, you know Caius Marcius is chief enemy to the people.
+All: We know't, we know't.
+First Citizen: Let us kill him, and we'll have corn at our own price. Is't a verdict?
+All: No more talking on't; let it be done: away, away!
+Second Citizen: One word, good citizens.
+First Citizen: We are accounted poor citizens, the patricians good. What authority surfeits
+on would relieve us: if they would yield us but the superfluity, while it were wholesome,
+we might guess they relieved us humanely; but they think we are too dear: the leanness
+that afflicts us, the object of our misery, is as an inventory to particularise their
+abundance; our sufferance is a gain to them. Let us revenge this with our pikes, ere we
+become rakes: for the gods know I speak this in hunger for bread, not in thirst for revenge.
+"""
+
+
+class Block(nnx.Module):
+    def __init__(self, dim: int, heads: int, dtype: Any, rngs: nnx.Rngs) -> None:
+        self.ln1 = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.proj = nnx.Linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.heads = heads
+        self.ln2 = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, dtype=dtype, rngs=rngs)
+
+    def attention(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads), 3, 2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray((d // self.heads) ** -0.5, x.dtype)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(x.dtype).min), axis=-1)
+        return self.proj(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d))
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        h = h + self.attention(self.ln1(h))
+        return h + self.down(nnx.gelu(self.up(self.ln2(h))))
+
+
+class CharGPT(nnx.Module):
+    """Decoder-only transformer with a tied output projection."""
+
+    def __init__(self, vocab: int, dim: int = 64, heads: int = 4, layers: int = 2,
+                 max_len: int = 64, dtype: Any = jnp.float16, *, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(vocab, dim, dtype=dtype, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, dim)))
+        self.blocks = nnx.List([Block(dim, heads, dtype, rngs) for _ in range(layers)])
+        self.ln = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+        self.dtype = dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]].astype(self.dtype)
+        for block in self.blocks:
+            h = block(h)
+        return self.embed.attend(self.ln(h))
+
+
+def batches(text: str, seq: int, batch: int, seed: int):
+    chars = sorted(set(text))
+    data = np.array([chars.index(c) for c in text], np.int32)
+    rng = np.random.default_rng(seed)
+    while True:
+        idx = rng.integers(0, len(data) - seq - 1, batch)
+        x = np.stack([data[i:i + seq] for i in idx])
+        y = np.stack([data[i + 1:i + seq + 1] for i in idx])
+        yield jnp.asarray(x), jnp.asarray(y)
+
+
+def make_loss(graphdef: Any, loss_factor: float):
+    def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(x).astype(jnp.float32)  # loss in fp32
+        logp = jax.nn.log_softmax(logits)
+        return -loss_factor * jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
+    return loss_fn
+
+
+def build(vocab: int, dtype: Any, seed: int = 0):
+    model = CharGPT(vocab, dtype=dtype, rngs=nnx.Rngs(seed))
+    return nnx.split(model)
+
+
+def train(mode: str, steps: int, lr: float, loss_factor: float, seed: int = 0) -> dict[str, Any]:
+    """Train with ``mode`` in {"fp32", "fp16", "fp16+adaloss"}; returns losses and telemetry."""
+    vocab = len(set(TEXT))
+    graphdef, params = build(vocab, jnp.float32 if mode == "fp32" else jnp.float16, seed)
+    loss_fn = make_loss(graphdef, loss_factor)
+    if mode == "fp16+adaloss":
+        tx = jax_adaloss.adaloss(inner=optax.adam(lr))
+        grad_fn = jax_adaloss.value_and_grad(loss_fn, return_report=True)
+    else:
+        tx = optax.adam(lr)
+        vg = jax.value_and_grad(loss_fn)
+        grad_fn = lambda p, x, y: (vg(p, x, y), None)  # noqa: E731
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        (loss, grads), report = grad_fn(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, report
+
+    losses, report = [], None
+    data = batches(TEXT, 64, 16, seed)
+    t0 = time.perf_counter()
+    for _ in tqdm(range(steps), desc=mode, leave=False):
+        x, y = next(data)
+        params, opt_state, loss, report = step(params, opt_state, x, y)
+        losses.append(loss)
+    losses = [float(v) / loss_factor for v in jax.device_get(losses)]
+    out = {"losses": losses, "seconds": time.perf_counter() - t0}
+    if mode == "fp16+adaloss":
+        out["skipped"] = int(optax.tree.get(opt_state, "skipped"))
+        out["scales"] = {k: float(v.scale) for k, v in report.layers.items()}
+        out["outgoing"] = {k: float(v.outgoing_scale) for k, v in report.layers.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--loss-factor", type=float, default=1e-4,
+                    help="multiply the loss by this (small values make plain fp16 underflow)")
+    args = ap.parse_args(argv)
+    runs = {m: train(m, args.steps, args.lr, args.loss_factor)
+            for m in ("fp32", "fp16", "fp16+adaloss")}
+    print(f"\nloss (÷ loss factor {args.loss_factor:g}), {args.steps} steps of batch 16 × 64 chars")
+    print(f"{'step':>6} " + " ".join(f"{m:>14}" for m in runs))
+    for i in sorted({0, *range(args.steps // 10, args.steps, args.steps // 10), args.steps - 1}):
+        print(f"{i:>6} " + " ".join(f"{runs[m]['losses'][i]:>14.4f}" for m in runs))
+    ada = runs["fp16+adaloss"]
+    print(f"\nskipped steps (adaloss): {ada['skipped']}")
+    print("per-layer scales of the last step (scale applied / scale carried after);"
+          " casts listed where they scale:")
+    for name in sorted(ada["scales"], key=lambda n: (n.startswith("cast"), n)):
+        if name.startswith("cast") and ada["scales"][name] == 1.0:
+            continue
+        print(f"  {name:<40} {ada['scales'][name]:>10g} {ada['outgoing'][name]:>12g}")
+    print("\nwall time: " + ", ".join(f"{m} {r['seconds']:.1f}s" for m, r in runs.items()))
+
+
+if __name__ == "__main__":
+    main()
