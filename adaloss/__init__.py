@@ -3,7 +3,6 @@
 Imports neither JAX nor PyTorch; ``jax_adaloss`` and ``torch_bridge`` build on it.
 """
 
-from adaloss.config import (GRAD_FORMATS, STAT_MODELS, AdaLossConfig, FormatLimits,
-                            format_limits)
+from adaloss.config import GRAD_FORMATS, STAT_MODELS, AdaLossConfig, FormatLimits, format_limits
 
 __all__ = ["AdaLossConfig", "FormatLimits", "GRAD_FORMATS", "STAT_MODELS", "format_limits"]

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,7 @@ class _Tape:
         self._names: dict[str, int] = defaultdict(int)
         self._consts = 0
         self._casts = 0
+        self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
 
     def slot(self, value: Any, origin: str | None, needs: bool) -> int:
         self.values.append(value)
@@ -116,6 +118,13 @@ class _Tape:
                 else:
                     consts = []
                 outs = self.run(sub, consts, ins)
+            elif prim == "convert_element_type" and not eqn.params.get("weak_type"):
+                # one value cast twice to the same dtype (flax's LayerNorm does) is
+                # one cast: its consumers' cotangents then share one scale decision
+                key = (ins[0], jnp.dtype(eqn.params["new_dtype"]), eqn.params.get("sharding"))
+                if key not in self._converts:
+                    self._converts[key] = self._bind(eqn, ins)[0]
+                outs = [self._converts[key]]
             else:
                 outs = self._bind(eqn, ins)
             for var, s in zip(eqn.outvars, outs):
