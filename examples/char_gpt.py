@@ -130,7 +130,7 @@ def train(mode: str, steps: int, lr: float, loss_factor: float, seed: int = 0) -
     losses, report = [], None
     data = batches(TEXT, 64, 16, seed)
     t0 = time.perf_counter()
-    for _ in tqdm(range(steps), desc=mode, leave=False):
+    for _ in tqdm(range(steps), desc=mode, leave=False, disable=None):
         x, y = next(data)
         params, opt_state, loss, report = step(params, opt_state, x, y)
         losses.append(loss)
