@@ -167,3 +167,31 @@ def test_update_every_reuses_statistical_scales_but_not_caps():
     # caps use the current gradient: a huge loss now caps the reused scale
     _, rbig = f(p, X, 3e3, adaloss_cache=r0.cache)
     assert float(rbig.layers["b"].scale) < float(r0.layers["b"].scale)
+
+
+def test_a_value_cast_twice_is_one_cast_decision():
+    import flax.linen as nn
+
+    ln = nn.LayerNorm(dtype=F16)  # upcasts its fp16 input twice (mean and centring)
+    lp = ln.init(KEY, jnp.ones((2, 32), F16))
+
+    def loss(p, x):
+        h = jnp.tanh(x.astype(F16) @ p["a"].astype(F16))
+        h = ln.apply(p["ln"], h)
+        return jnp.mean((h @ p["b"].astype(F16)).astype(F32) ** 2)
+
+    p = {**_p(), "ln": lp}
+    _, report = jax_adaloss.grad(loss, return_report=True)(p, X)
+    casts = [k for k in report.layers if k.startswith("cast")]
+    assert len(casts) == 2, casts  # the loss cast and one for the LayerNorm input
+
+
+def test_example_trains_a_few_steps():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import char_gpt
+
+    out = char_gpt.train("fp16+adaloss", steps=3, lr=3e-3, loss_factor=1e-4)
+    assert len(out["losses"]) == 3 and all(np.isfinite(out["losses"]))
+    assert out["skipped"] == 0 and out["scales"]
