@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaloss.config import AdaLossConfig
-from jax_adaloss.backward import scaled_backward
+from jax_adaloss.backward import _is_float, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
 from jax_adaloss.scaled_grad import ScaledGrad
 
@@ -31,9 +31,12 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _leaf_name(prefix: str, path: Any) -> str:
+def _leaf_name(argi: int, path: Any, prefixed: bool) -> str:
+    """``a/b/c`` path of a differentiated leaf (``argN/…`` when several args are differentiated)."""
     rest = jax.tree_util.keystr(path, simple=True, separator="/")
-    return f"{prefix}/{rest}" if rest else prefix
+    if not rest:
+        return f"arg{argi}"
+    return f"arg{argi}/{rest}" if prefixed else rest
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
@@ -79,9 +82,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                 leaf = jnp.asarray(leaf)
                 _check_diff_dtype(leaf.dtype, allow_int)
                 flat[i] = leaf
-                prefix = f"arg{argi}" if len(nums_pos) > 1 else ""
-                name = _leaf_name(prefix, path[1:]) if prefix else \
-                    (jax.tree_util.keystr(path[1:], simple=True, separator="/") or f"arg{argi}")
+                name = _leaf_name(argi, path[1:], prefixed=len(nums_pos) > 1)
                 dyn.append(i)
                 names.append(name if _is_float(leaf.dtype) else None)
             elif _is_array(leaf):
@@ -150,10 +151,6 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
         return (result, report) if return_report else result
 
     return wrapped
-
-
-def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _check_diff_dtype(dtype: Any, allow_int: bool) -> None:
