@@ -55,11 +55,13 @@ class LogStats(NamedTuple):
 
 class LayerScale(NamedTuple):
     """A scale decision: ``scale`` (final), ``model_scale`` (statistical part,
-    after ``max(·, 1)``, before the caps) and ``sigma`` (the modelled spread)."""
+    after ``max(·, 1)``, before the caps), ``sigma`` (the modelled spread) and
+    ``unrounded`` (after every bound, before the power-of-two floor)."""
 
     scale: Array
     model_scale: Array
     sigma: Array
+    unrounded: Array
 
 
 def _f32(x: Array, xp: Any) -> Array:
@@ -135,16 +137,24 @@ def _cap(limit: float, m: Array, xp: Any) -> Array:
     return xp.where(m > 0, limit / safe, xp.full_like(m, float("inf")))
 
 
-def bound_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
-                xp: Any) -> Array:
-    """Step 3 after ``max(s, 1)``: overflow cap, accumulated bound, layer bound,
-    power-of-two floor (the result may be < 1)."""
+def bounded_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
+                  xp: Any) -> Array:
+    """Step 3 after ``max(s, 1)``, before rounding: overflow cap, accumulated
+    bound, layer bound (the result may be < 1)."""
     s = xp.minimum(s, cap)
     s = xp.minimum(s, config.accum_limit / incoming)
-    s = xp.minimum(s, xp.full_like(s, config.layer_limit))
-    if config.power_of_two:
-        s = pow2_floor(s, xp)
-    return s
+    return xp.minimum(s, xp.full_like(s, config.layer_limit))
+
+
+def round_scale(config: AdaLossConfig, s: Array, xp: Any) -> Array:
+    """The power-of-two floor of step 3 (identity with ``power_of_two=False``)."""
+    return pow2_floor(s, xp) if config.power_of_two else s
+
+
+def _decide(config: AdaLossConfig, s_model: Array, cap: Array, incoming: Array, sigma: Array,
+            xp: Any) -> LayerScale:
+    raw = bounded_scale(config, s_model, cap, incoming, xp)
+    return LayerScale(round_scale(config, raw, xp), s_model, sigma, raw)
 
 
 def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
@@ -158,7 +168,7 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     sigma = model_sigma(config, g, w, fan_in, xp)
     s_model = model_scale(config, sigma, xp) if cached_model_scale is None else cached_model_scale
     cap = overflow_cap(config, g, w, fan_in, xp)
-    return LayerScale(bound_scale(config, s_model, cap, incoming, xp), s_model, sigma)
+    return _decide(config, s_model, cap, incoming, sigma, xp)
 
 
 def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
@@ -174,7 +184,7 @@ def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
     else:
         s_model = cached_model_scale
     cap = _cap(config.overflow_limit, ls.absmax, xp)
-    return LayerScale(bound_scale(config, s_model, cap, incoming, xp), s_model, ls.std)
+    return _decide(config, s_model, cap, incoming, ls.std, xp)
 
 
 def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float,

@@ -41,8 +41,8 @@ def _leaf_name(argi: int, path: Any, prefixed: bool) -> str:
 
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, config: AdaLossConfig | None = None,
-                   allow_int: bool = False, return_report: bool = False
-                   ) -> Callable[..., Any]:
+                   allow_int: bool = False, return_report: bool = False,
+                   capture_cotangents: bool = False) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, with adaptive per-layer loss scaling in the backward.
 
     Every float leaf of the gradient is a :class:`ScaledGrad` (``value / scale``
@@ -54,11 +54,15 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     a :class:`BackwardReport` with per-layer scales and statistics. With
     ``config.update_every > 1`` pass the previous report's ``cache`` as the
     keyword argument ``adaloss_cache=`` (it is not forwarded to ``fun``).
+    ``capture_cotangents=True`` (with ``return_report``) also puts each layer's
+    incoming cotangent in ``report.cotangents``, for underflow measurements.
     """
     config = AdaLossConfig() if config is None else config
     if not isinstance(config, AdaLossConfig):
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
     nums = _argnums_tuple(argnums)
+    if capture_cotangents and not return_report:
+        raise ValueError("capture_cotangents=True needs return_report=True (they are in the report)")
     if config.update_every > 1 and not return_report:
         raise ValueError("AdaLossConfig.update_every > 1 needs return_report=True, so that "
                          "report.cache can be passed back as adaloss_cache=")
@@ -107,7 +111,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
-        outs, cts, report = scaled_backward(closed, dyn_vals, names, config, cache)
+        outs, cts, report = scaled_backward(closed, dyn_vals, names, config, cache,
+                                             capture_cotangents)
         value = outs[0]
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
 
@@ -133,14 +138,14 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
          *, config: AdaLossConfig | None = None, allow_int: bool = False,
-         return_report: bool = False) -> Callable[..., Any]:
+         return_report: bool = False, capture_cotangents: bool = False) -> Callable[..., Any]:
     """Like ``jax.grad``, with adaptive per-layer loss scaling; see :func:`value_and_grad`.
 
     Returns ``grads`` (``(grads, aux)`` with ``has_aux``), and with
     ``return_report=True`` the pair ``(that, report)``.
     """
     vg = value_and_grad(fun, argnums, has_aux, config=config, allow_int=allow_int,
-                        return_report=return_report)
+                        return_report=return_report, capture_cotangents=capture_cotangents)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

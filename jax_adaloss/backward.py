@@ -202,8 +202,11 @@ def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
 class _Sweep:
     """Reverse sweep over a ``_Tape``: cotangents with the scales they carry."""
 
-    def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None) -> None:
+    def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
+                 capture: bool = False) -> None:
         self.tape, self.config = tape, config
+        self.capture = capture
+        self.captured: dict[str, Any] = {}
         self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
         self.layers: dict[str, LayerReport] = {}
         self.model_scales: dict[str, Any] = {}
@@ -265,6 +268,8 @@ class _Sweep:
 
     def _layer(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
+        if self.capture:
+            self.captured[node.name] = g
         g_stats = solver.tensor_stats(g, jnp)
         w_stats = None if cfg.model == "gradient" else solver.tensor_stats(node.weight, jnp)
         sigma = solver.model_sigma(cfg, g_stats, w_stats, node.fan_in, jnp)
@@ -283,6 +288,8 @@ class _Sweep:
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
+        if self.capture:
+            self.captured[node.name] = g
         ls = solver.log_stats(g, jnp)
         use = self._cached(node.name, solver.cast_scale(cfg, ls, incoming, jnp).model_scale)
         d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=use)
@@ -297,10 +304,11 @@ class _Sweep:
         self.layers[node.name] = LayerReport(
             scale=d.scale, model_scale=d.model_scale, sigma=d.sigma,
             incoming_scale=incoming, outgoing_scale=outgoing, predicted_underflow=pred,
-            grad_absmax=absmax, fan_in=jnp.asarray(node.fan_in, jnp.int32))
+            grad_absmax=absmax, fan_in=jnp.asarray(node.fan_in, jnp.int32),
+            unrounded_scale=d.unrounded)
 
     def report(self) -> BackwardReport:
-        return BackwardReport(self.layers, ScaleCache(self.step + 1, self.model_scales))
+        return BackwardReport(self.layers, ScaleCache(self.step + 1, self.model_scales), self.captured)
 
 
 def _sum(xs: list[Any]) -> Any:
@@ -328,12 +336,13 @@ def _zero_ct(value: Any) -> Any:
 
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any],
                     diff_names: Sequence[str | None], config: AdaLossConfig,
-                    cache: ScaleCache | None) -> tuple[list[Any], list[tuple[Any, Any] | None],
-                                                       BackwardReport]:
+                    cache: ScaleCache | None, capture: bool = False
+                    ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
     ``diff_names[i]`` names flat argument ``i`` if it is differentiated (``None``
-    otherwise). Returns the outputs, ``(cotangent, scale)`` (or ``None``: unused)
+    otherwise); ``capture`` keeps each layer's incoming cotangent in the report.
+    Returns the outputs, ``(cotangent, scale)`` (or ``None``: unused)
     per flat argument, and the report.
     """
     tape = _Tape(config)
@@ -341,7 +350,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any],
     consts = [tape.slot(c, _CONST, False) for c in jaxpr.consts]
     out_slots = tape.run(jaxpr.jaxpr, consts, in_slots)
     outs = [tape.values[s] for s in out_slots]
-    sweep = _Sweep(tape, config, cache)
+    sweep = _Sweep(tape, config, cache, capture)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))

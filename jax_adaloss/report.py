@@ -6,29 +6,9 @@ from typing import NamedTuple
 
 import jax
 
+from adaloss.report import LayerReport
 
-class LayerReport(NamedTuple):
-    """One scale decision of the last backward (a weighted layer or a narrowing cast).
-
-    Attributes:
-      scale: the scale this layer applied to its input cotangent (fp32, may be < 1).
-      model_scale: the statistical part of ``scale``, before the overflow caps.
-      sigma: the modelled spread σ (σ_ln of ``log|g|`` for a cast).
-      incoming_scale: scale ``P`` carried by the cotangent arriving at the layer.
-      outgoing_scale: ``P · scale``, carried by the cotangent it sends on.
-      predicted_underflow: fraction of the modelled quantity predicted to stay below u_min.
-      grad_absmax: ``max|g|`` of the incoming cotangent (fp32).
-      fan_in: ``n``, terms summed into each entry of the input gradient (1 for a cast).
-    """
-
-    scale: jax.Array
-    model_scale: jax.Array
-    sigma: jax.Array
-    incoming_scale: jax.Array
-    outgoing_scale: jax.Array
-    predicted_underflow: jax.Array
-    grad_absmax: jax.Array
-    fan_in: jax.Array
+__all__ = ["BackwardReport", "LayerReport", "ScaleCache"]
 
 
 class ScaleCache(NamedTuple):
@@ -46,8 +26,11 @@ class BackwardReport(NamedTuple):
 
     A weighted layer is named after its weight's path in the differentiated
     arguments (``params/Dense_0/kernel``; ``…@1`` for a second use of the same
-    weight); a narrowing cast ``cast:k`` (k-th in forward order).
+    weight); a narrowing cast ``cast:k`` (k-th in forward order). ``cotangents``
+    holds each layer's incoming cotangent (as carried, i.e. multiplied by its
+    incoming scale) when requested with ``capture_cotangents=True``, else is empty.
     """
 
     layers: dict[str, LayerReport]
     cache: ScaleCache
+    cotangents: dict[str, jax.Array]

@@ -1,0 +1,35 @@
+"""Per-layer scale decisions, the same record for every framework."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+Array = Any  # a 0-d array of the caller's framework
+
+
+class LayerReport(NamedTuple):
+    """One scale decision of the last backward (a weighted layer or a narrowing cast).
+
+    Attributes:
+      scale: the scale this layer applied to its input cotangent (fp32, may be < 1).
+      model_scale: the statistical part of ``scale``, before the overflow caps.
+      sigma: the modelled spread σ (σ_ln of ``log|g|`` for a cast).
+      incoming_scale: scale ``P`` carried by the cotangent arriving at the layer.
+      outgoing_scale: ``P · scale``, carried by the cotangent it sends on.
+      predicted_underflow: fraction of the modelled quantity predicted to stay below u_min.
+      grad_absmax: ``max|g|`` of the incoming cotangent (fp32).
+      fan_in: ``n``, terms summed into each entry of the input gradient (1 for a cast).
+      unrounded_scale: ``scale`` before the power-of-two floor (after every bound);
+        a value within rounding of a power of two can round differently across
+        frameworks or kernels.
+    """
+
+    scale: Array
+    model_scale: Array
+    sigma: Array
+    incoming_scale: Array
+    outgoing_scale: Array
+    predicted_underflow: Array
+    grad_absmax: Array
+    fan_in: Array
+    unrounded_scale: Array

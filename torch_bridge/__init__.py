@@ -1,0 +1,15 @@
+"""Adaptive per-layer loss scaling for PyTorch, with ``torch.amp.GradScaler``'s interface.
+
+Runs the same solver and takes the same :class:`AdaLossConfig` as ``jax_adaloss``;
+importing it does not import JAX.
+
+>>> scaler = torch_bridge.AdaLossScaler(model)                   # doctest: +SKIP
+>>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()  # doctest: +SKIP
+"""
+
+from adaloss.config import AdaLossConfig
+from adaloss.report import LayerReport
+from torch_bridge.graph import ScalePlan
+from torch_bridge.scaler import AdaLossScaler
+
+__all__ = ["AdaLossConfig", "AdaLossScaler", "LayerReport", "ScalePlan"]

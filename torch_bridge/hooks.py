@@ -1,0 +1,244 @@
+"""The scale-propagating backward in PyTorch: node hooks that follow a :class:`ScalePlan`.
+
+Every scale is an fp32 0-d tensor on the gradient's device, computed inside
+autograd hooks with :mod:`adaloss.solver` (the same formulas as
+``jax_adaloss``); nothing is copied to the host.
+
+- A layer's pre-hook computes its scale ``s`` from the incoming cotangent ``g``
+  (carrying ``P``) and its weight, and hands the node ``s·g``: the input
+  gradient carries ``P·s``. Its post-hook multiplies the weight and bias
+  gradients by ``1/s`` (in fp32), so they carry ``P``, as in method.md step 4.
+- A cast's pre-hook scales the fp32 cotangent by the log-normal rule before the
+  node narrows it.
+- At a merge point each consumer's post-hook stashes its contribution (the
+  first one still flows, to keep autograd's buffer defined; later ones are
+  replaced by ``None``), and the producer's pre-hook replaces the buffer by the
+  merged sum (method.md step 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from adaloss import solver
+from adaloss.config import AdaLossConfig
+from adaloss.report import LayerReport
+from torch_bridge._xp import xp
+from torch_bridge.graph import NodePlan, ScalePlan
+
+_F32 = torch.float32
+
+LeafHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _Decision(NamedTuple):
+    kind: str  # "layer" | "cast"
+    d: solver.LayerScale
+    spread: Any  # sigma (layer) or LogStats (cast), for the predicted underflow
+    incoming: torch.Tensor
+    outgoing: torch.Tensor
+    absmax: torch.Tensor
+    fan_in: int
+
+    def report(self, config: AdaLossConfig) -> LayerReport:
+        if self.kind == "cast":
+            pred = solver.predicted_underflow_lognormal(config, self.spread, self.d.scale,
+                                                        torch.special.erf, xp)
+        else:
+            pred = solver.predicted_underflow(config, self.d.sigma, self.d.scale,
+                                              torch.special.erf, xp)
+        return LayerReport(scale=self.d.scale, model_scale=self.d.model_scale, sigma=self.d.sigma,
+                           incoming_scale=self.incoming, outgoing_scale=self.outgoing,
+                           predicted_underflow=pred, grad_absmax=self.absmax,
+                           fan_in=torch.tensor(self.fan_in, dtype=torch.int32),
+                           unrounded_scale=self.d.unrounded)
+
+
+def tensor_stats(x: torch.Tensor) -> solver.TensorStats:
+    """fp32 mean, population variance, min and max of ``x`` (two fused reductions)."""
+    var, mean = torch.var_mean(x.to(_F32), correction=0)
+    lo, hi = torch.aminmax(x)
+    return solver.TensorStats(mean, var, lo.to(_F32), hi.to(_F32))
+
+
+def rescale(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t · factor`` computed in (at least) fp32, returned in ``t``'s dtype."""
+    if t.dtype == _F32:
+        return t * factor
+    if t.dtype == torch.float64:
+        return t * factor.to(torch.float64)
+    return (t.to(_F32) * factor).to(t.dtype)
+
+
+def _u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
+
+
+class ScaledBackward:
+    """Hooks on every node of one planned graph; state of the pass in progress.
+
+    ``on_leaf(param, grad, scale)`` is called for each parameter's (merged)
+    gradient before autograd accumulates it and returns the tensor to accumulate.
+    ``model_scales`` (layer name -> cached statistical scale) is used instead of
+    fresh statistics when ``recompute`` is False (``update_every``).
+    """
+
+    def __init__(self, plan: ScalePlan, config: AdaLossConfig, on_leaf: LeafHook,
+                 on_done: Callable[[ScaledBackward], None], *, recompute: bool = True,
+                 model_scales: dict[str, torch.Tensor] | None = None, capture: bool = False) -> None:
+        self.plan, self.config = plan, config
+        self.on_leaf, self.on_done = on_leaf, on_done
+        self.recompute = recompute
+        self.cached = model_scales or {}
+        self.capture = capture
+        self.handles: list[Any] = []
+        self._reset()
+        root = plan.plans[plan.root]
+        for p in plan.order:
+            pre = p is root or p.merges or p.cross_merge or p.kind != "op" or p.param is not None
+            if pre:
+                self.handles.append(p.node.register_prehook(self._pre_hook(p, p is root)))
+            if p.kind == "layer" or p.stash_edges:
+                self.handles.append(p.node.register_hook(self._post_hook(p)))
+
+    def _reset(self) -> None:
+        self.values: list[torch.Tensor | None] = [None] * self.plan.n_syms
+        self.stash: dict[tuple[NodePlan, int], list[tuple[torch.Tensor, int]]] = {}
+        self.carried: set[tuple[NodePlan, int]] = set()
+        self.layer_s: dict[NodePlan, torch.Tensor] = {}
+        self.decisions: dict[str, _Decision] = {}
+        self.model_scales: dict[str, torch.Tensor] = {}
+        self.captured: dict[str, torch.Tensor] = {}
+        self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def reports(self) -> dict[str, LayerReport]:
+        """Per-layer decisions of the last pass, in forward order."""
+        order = {p.name: p.seq for p in self.plan.layers()}
+        names = sorted(self.decisions, key=lambda n: order.get(n, 0))
+        return {n: self.decisions[n].report(self.config) for n in names}
+
+    # -- hooks --------------------------------------------------------------------
+    def _pre_hook(self, p: NodePlan, is_root: bool) -> Callable[[tuple[Any, ...]], Any]:
+        def hook(grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+            go = list(grad_outputs)
+            if is_root:
+                self._begin(go)
+            self._merge_outputs(p, go)
+            if p.kind == "layer":
+                self._layer(p, go)
+            elif p.kind == "cast":
+                self._cast(p, go)
+            elif p.param is not None and go[0] is not None and self.values[p.sym] is not None:
+                go[0] = self.on_leaf(p.param, go[0], self.values[p.sym])
+                self.leaf_scales[id(p.param)] = (p.param, self.values[p.sym])
+            return tuple(go)
+        return hook
+
+    def _post_hook(self, p: NodePlan) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+            gi = list(grad_inputs)
+            s = self.layer_s.pop(p, None)
+            if s is not None:
+                inv = 1.0 / s
+                for i, t in enumerate(gi):
+                    if i != p.act_edge and t is not None:
+                        gi[i] = rescale(t, inv)
+            for i, key in p.stash_edges.items():
+                t = gi[i]
+                if t is None:
+                    continue
+                self.stash.setdefault(key, []).append((t, p.edge_syms[i]))
+                if key in self.carried:
+                    gi[i] = None
+                else:
+                    self.carried.add(key)
+            return tuple(gi)
+        return hook
+
+    def _begin(self, go: list[Any]) -> None:
+        self._reset()
+        g = go[0]
+        init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
+        self.values[0] = init
+        if self.config.init_scale != 1.0:
+            go[0] = rescale(g, init)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.on_done(self))
+
+    # -- merges -------------------------------------------------------------------
+    def _merge(self, parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        scales = [s for _, s in parts]
+        absmax = [t.abs().amax().to(_F32) for t, _ in parts]
+        target = solver.merge_scale(scales, absmax, _u_max(self.config, dtype), xp)
+        return [rescale(t, target / s) for t, s in parts], target
+
+    def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
+        for k, msym in p.merges.items():
+            parts = [(t, self.values[s]) for t, s in self.stash.pop((p, k), [])]
+            if not parts:
+                continue
+            rescaled, self.values[msym] = self._merge(parts, p.out_dtypes[k])
+            total = rescaled[0]
+            for t in rescaled[1:]:
+                total = total + t
+            go[k] = total
+        if p.cross_merge:
+            present = [k for k in p.out_syms if go[k] is not None]
+            if not present:
+                return
+            rescaled, self.values[p.sym] = self._merge(
+                [(go[k], self.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]])
+            for k, t in zip(present, rescaled):
+                go[k] = t
+
+    # -- scale decisions ------------------------------------------------------------
+    def _cached(self, name: str) -> torch.Tensor | None:
+        """The cached statistical scale to reuse (``update_every``), or None: compute it."""
+        return None if self.recompute else self.cached.get(name)
+
+    def _layer(self, p: NodePlan, go: list[Any]) -> None:
+        g, incoming = go[0], self.values[p.sym]
+        if g is None or incoming is None:
+            self.values[p.send] = incoming
+            return
+        cfg = self.config
+        if self.capture:
+            self.captured[p.name] = g
+        gs = tensor_stats(g)
+        ws = None if cfg.model == "gradient" else tensor_stats(getattr(p.node, p.weight_attr))
+        d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, xp,
+                               cached_model_scale=self._cached(p.name))
+        self.model_scales[p.name] = d.model_scale
+        outgoing = incoming * d.scale
+        self.values[p.send] = outgoing
+        self.layer_s[p] = d.scale
+        go[0] = rescale(g, d.scale)
+        absmax = torch.maximum(gs.min.abs(), gs.max.abs())
+        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing, absmax, p.fan_in)
+
+    def _cast(self, p: NodePlan, go: list[Any]) -> None:
+        present = [k for k in range(len(go)) if go[k] is not None]
+        incoming = self.values[p.sym]
+        if not present or incoming is None:
+            self.values[p.send] = incoming
+            return
+        cfg = self.config
+        g = go[present[0]]
+        if self.capture:
+            self.captured[p.name] = g
+        ls = solver.log_stats(g, xp)
+        d = solver.cast_scale(cfg, ls, incoming, xp, cached_model_scale=self._cached(p.name))
+        self.model_scales[p.name] = d.model_scale
+        outgoing = incoming * d.scale
+        self.values[p.send] = outgoing
+        for k in present:
+            go[k] = rescale(go[k], d.scale)
+        self.decisions[p.name] = _Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)

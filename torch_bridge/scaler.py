@@ -1,0 +1,302 @@
+"""``AdaLossScaler``: adaptive per-layer loss scaling with ``torch.amp.GradScaler``'s interface.
+
+A loop that uses ``GradScaler`` switches by replacing the constructor::
+
+    scaler = torch_bridge.AdaLossScaler(model, config)   # instead of GradScaler()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()        # or scaler.backward(loss)
+    scaler.unscale_(optimizer)           # optional, e.g. before clipping
+    scaler.step(optimizer)               # skipped when a gradient is not finite
+    scaler.update()
+
+or, Apex style, ``with scaler.scale_loss(loss, optimizer) as scaled: scaled.backward()``
+followed by ``optimizer.step()``.
+
+``scale(loss)`` plans the scales of the autograd graph below ``loss`` (see
+:mod:`torch_bridge.graph`) and hooks it (:mod:`torch_bridge.hooks`); the
+backward then gives every layer its own scale and leaves each parameter's
+``.grad`` multiplied by the scale in :meth:`AdaLossScaler.grad_scales`.
+``unscale_``/``step`` divide each gradient by its own scale and check all of
+them for inf/NaN with GradScaler's kernel; ``step`` reads that one flag (the
+only host synchronisation) and skips the optimizer step when it is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from adaloss import solver
+from adaloss.config import AdaLossConfig
+from adaloss.report import LayerReport
+from torch_bridge._xp import xp
+from torch_bridge.graph import ScalePlan, parameter_names
+from torch_bridge.hooks import ScaledBackward, rescale
+
+_F32 = torch.float32
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf": {}}
+
+
+class AdaLossScaler:
+    """Adaptive loss scaling for an unmodified ``nn.Module`` (method: Zhao et al., 2019).
+
+    Args:
+      model: the module whose parameters are trained; layers are named after
+        their weight's parameter name.
+      config: an :class:`~adaloss.config.AdaLossConfig` (default ``AdaLossConfig()``),
+        the same object ``jax_adaloss`` takes.
+      enabled: ``False`` makes every method a pass-through (``step`` just calls
+        ``optimizer.step()``), as with ``GradScaler(enabled=False)``.
+      capture: keep each layer's incoming cotangent of the last backward
+        (:meth:`captured_cotangents`), for underflow measurements.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
+                 enabled: bool = True, capture: bool = False) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
+        config = AdaLossConfig() if config is None else config
+        if not isinstance(config, AdaLossConfig):
+            raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+        self._model = model
+        self._config = config
+        self._enabled = bool(enabled)
+        self.capture = bool(capture)
+        self._iteration = 0  # update() calls
+        self._skipped = 0
+        self._model_scales: dict[str, torch.Tensor] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # scale of p.grad now
+        self._last: ScaledBackward | None = None
+        self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def config(self) -> AdaLossConfig:
+        return self._config
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a gradient was not finite."""
+        return self._skipped
+
+    @property
+    def iteration(self) -> int:
+        """``update()`` calls so far."""
+        return self._iteration
+
+    # -- backward ---------------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """Prepare the backward of ``outputs`` (a loss tensor, or a list/tuple of them).
+
+        Returns ``outputs`` itself: call ``.backward()`` on it. The seed gradient is
+        multiplied by ``config.init_scale``; every other scale is chosen per layer.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"scale() expects a tensor (or a list/tuple of tensors), got "
+                            f"{type(outputs).__name__}")
+        root = outputs.grad_fn
+        if root is None:
+            raise RuntimeError("scale(): the loss has no autograd graph (it does not require grad, "
+                               "or it is a leaf); was the forward run under torch.no_grad()?")
+        if "adaloss" in root.metadata:
+            return outputs  # already prepared
+        plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule)
+        recompute = self._iteration % self._config.update_every == 0
+        sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
+                            model_scales=self._model_scales, capture=self.capture)
+        root.metadata["adaloss"] = sb
+        return outputs
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``scale(loss).backward(**kwargs)``."""
+        self.scale(loss).backward(**kwargs)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """Apex's form: ``with scaler.scale_loss(loss, opt) as s: s.backward()``, then ``opt.step()``.
+
+        On exit the gradients are unscaled and checked; if one is not finite, the
+        next ``optimizer.step()`` is skipped (and counted). No ``update()`` is needed.
+        """
+        yield self.scale(loss)
+        if not self._enabled:
+            return
+        self.unscale_(optimizer)
+        if self._found_inf(optimizer):
+            self._skipped += 1
+            _skip_next_step(optimizer)
+        self._per_optimizer[id(optimizer)]["stage"] = _Stage.STEPPED
+        self.update()
+
+    def _on_leaf(self, param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Bring a new gradient and an existing ``param.grad`` (accumulation) to one scale."""
+        if param.grad is None:
+            self._pending[id(param)] = (param, scale)
+            return grad
+        old = self._pending.get(id(param), (param, None))[1]
+        old = torch.ones((), dtype=_F32, device=grad.device) if old is None else old
+        absmax = [param.grad.abs().amax().to(_F32), grad.abs().amax().to(_F32)]
+        u_max = torch.finfo(grad.dtype).max if grad.dtype.itemsize > 2 else self._config.overflow_limit
+        target = solver.merge_scale([old, scale], absmax, u_max, xp)
+        with torch.no_grad():
+            param.grad.copy_(rescale(param.grad, target / old))
+        self._pending[id(param)] = (param, target)
+        return rescale(grad, target / scale)
+
+    def _on_done(self, sb: ScaledBackward) -> None:
+        self._last = sb
+        self._model_scales.update(sb.model_scales)
+
+    # -- unscale / step / update ---------------------------------------------------------
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide each gradient of ``optimizer``'s parameters by its own scale, in place,
+        and record whether any is inf/NaN (on device)."""
+        if not self._enabled:
+            return
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update().")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        groups: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        ones: dict[torch.device, torch.Tensor] = {}
+        found: dict[torch.device, torch.Tensor] = state["found_inf"]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise NotImplementedError("AdaLossScaler does not support sparse gradients "
+                                              "(use nn.Embedding(sparse=False))")
+                dev = p.grad.device
+                entry = self._pending.pop(id(p), None)
+                if entry is None:
+                    scale = ones.setdefault(dev, torch.ones((), dtype=_F32, device=dev))
+                else:
+                    scale = entry[1]
+                key = (id(scale), dev, p.grad.dtype)
+                groups.setdefault(key, (scale, []))[1].append(p.grad)
+                found.setdefault(dev, torch.zeros((), dtype=_F32, device=dev))
+        with torch.no_grad():
+            for (_, dev, _), (scale, grads) in groups.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[dev], scale.reciprocal())
+        state["stage"] = _Stage.UNSCALED
+
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        found = self._per_optimizer[id(optimizer)]["found_inf"]
+        if not found:
+            raise RuntimeError("No inf checks were recorded for this optimizer: none of its parameters "
+                               "has a gradient.")
+        return bool(sum(v.item() for v in found.values()))
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` was called) and run ``optimizer.step(*args, **kwargs)``
+        unless a gradient is inf/NaN; then the step is skipped and counted."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if AdaLossScaler is enabled.")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        retval = None
+        if self._found_inf(optimizer):
+            self._skipped += 1
+        else:
+            retval = optimizer.step(*args, **kwargs)
+        state["stage"] = _Stage.STEPPED
+        return retval
+
+    def update(self) -> None:
+        """End the iteration: reset per-optimizer state, advance the ``update_every`` counter."""
+        if not self._enabled:
+            return
+        if not any(s["found_inf"] for s in self._per_optimizer.values()):
+            raise RuntimeError("No inf checks were recorded prior to update(): call step() "
+                               "(or unscale_()) first.")
+        self._iteration += 1
+        self._per_optimizer.clear()
+        self._pending.clear()
+
+    # -- telemetry ----------------------------------------------------------------------
+    def grad_scales(self) -> dict[str, torch.Tensor]:
+        """``{parameter name: fp32 scale}`` carried by each parameter's gradient in the last backward."""
+        if self._last is None:
+            return {}
+        names = parameter_names(self._model)
+        return {names[i]: s for i, (_, s) in self._last.leaf_scales.items() if i in names}
+
+    def layer_reports(self) -> dict[str, LayerReport]:
+        """Per-layer scale decisions and statistics of the last backward (forward order)."""
+        return {} if self._last is None else self._last.reports()
+
+    def captured_cotangents(self) -> dict[str, torch.Tensor]:
+        """Each layer's incoming cotangent in the last backward (``capture=True``), as carried
+        (multiplied by the layer's incoming scale)."""
+        return {} if self._last is None else dict(self._last.captured)
+
+    # -- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Config, counters and the cached statistical scales (``update_every``); ``{}`` if disabled."""
+        if not self._enabled:
+            return {}
+        return {"config": dataclasses.asdict(self._config), "iteration": self._iteration,
+                "skipped_steps": self._skipped,
+                "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a "
+                               "disabled instance of AdaLossScaler.")
+        saved = state_dict["config"]
+        mine = dataclasses.asdict(self._config)
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if diff:
+            raise ValueError("state_dict was saved with a different AdaLossConfig "
+                             f"(fields: {', '.join(diff)})")
+        self._iteration = int(state_dict["iteration"])
+        self._skipped = int(state_dict["skipped_steps"])
+        self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items()}
+
+
+def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make the next ``optimizer.step()`` a no-op, once (Apex's overflow handling)."""
+    had = "step" in optimizer.__dict__
+    original = optimizer.__dict__.get("step")
+
+    def skip(*args: Any, **kwargs: Any) -> None:
+        if had:
+            optimizer.step = original
+        else:
+            del optimizer.step
+        return None
+
+    optimizer.step = skip
