@@ -18,6 +18,8 @@ autograd hooks with :mod:`adaloss.solver` (the same formulas as
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,6 +59,21 @@ class _Decision(NamedTuple):
                            unrounded_scale=self.d.unrounded)
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardRecord:
+    """One finished backward: per-layer decisions (forward order), each leaf's gradient
+    scale (``id(param) -> (param, scale)``), captured cotangents, statistical scales."""
+
+    config: AdaLossConfig
+    decisions: dict[str, _Decision]
+    leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    captured: dict[str, torch.Tensor]
+    model_scales: dict[str, torch.Tensor]
+
+    def reports(self) -> dict[str, LayerReport]:
+        return {n: d.report(self.config) for n, d in self.decisions.items()}
+
+
 def tensor_stats(x: torch.Tensor) -> solver.TensorStats:
     """fp32 mean, population variance, min and max of ``x`` (two fused reductions)."""
     var, mean = torch.var_mean(x.to(_F32), correction=0)
@@ -73,12 +90,29 @@ def rescale(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return (t.to(_F32) * factor).to(t.dtype)
 
 
+def _pre_hook(me: weakref.ref[ScaledBackward], i: int) -> Callable[[tuple[Any, ...]], Any]:
+    def hook(grad_outputs: tuple[Any, ...]) -> Any:
+        sb = me()
+        return None if sb is None else sb.pre(i, grad_outputs)
+    return hook
+
+
+def _post_hook(me: weakref.ref[ScaledBackward], i: int) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> Any:
+        sb = me()
+        return None if sb is None else sb.post(i, grad_inputs)
+    return hook
+
+
 def _u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
 
 
 class ScaledBackward:
     """Hooks on every node of one planned graph; state of the pass in progress.
+
+    The caller must keep this object alive until the backward has run (the hooks
+    only hold a weak reference); ``on_done`` receives its :class:`BackwardRecord`.
 
     ``on_leaf(param, grad, scale)`` is called for each parameter's (merged)
     gradient before autograd accumulates it and returns the tensor to accumulate.
@@ -87,7 +121,7 @@ class ScaledBackward:
     """
 
     def __init__(self, plan: ScalePlan, config: AdaLossConfig, on_leaf: LeafHook,
-                 on_done: Callable[[ScaledBackward], None], *, recompute: bool = True,
+                 on_done: Callable[[BackwardRecord], None], *, recompute: bool = True,
                  model_scales: dict[str, torch.Tensor] | None = None, capture: bool = False) -> None:
         self.plan, self.config = plan, config
         self.on_leaf, self.on_done = on_leaf, on_done
@@ -96,13 +130,16 @@ class ScaledBackward:
         self.capture = capture
         self.handles: list[Any] = []
         self._reset()
+        # Hooks live on autograd's C++ nodes, which Python's GC cannot see through: they
+        # hold only a weak reference to this object and a node index, so that the graph
+        # does not keep itself alive. Whoever runs the backward owns this object.
+        me = weakref.ref(self)
         root = plan.plans[plan.root]
-        for p in plan.order:
-            pre = p is root or p.merges or p.cross_merge or p.kind != "op" or p.param is not None
-            if pre:
-                self.handles.append(p.node.register_prehook(self._pre_hook(p, p is root)))
+        for i, p in enumerate(plan.order):
+            if p is root or p.merges or p.cross_merge or p.kind != "op" or p.param is not None:
+                self.handles.append(p.node.register_prehook(_pre_hook(me, i)))
             if p.kind == "layer" or p.stash_edges:
-                self.handles.append(p.node.register_hook(self._post_hook(p)))
+                self.handles.append(p.node.register_hook(_post_hook(me, i)))
 
     def _reset(self) -> None:
         self.values: list[torch.Tensor | None] = [None] * self.plan.n_syms
@@ -119,49 +156,48 @@ class ScaledBackward:
             h.remove()
         self.handles.clear()
 
-    def reports(self) -> dict[str, LayerReport]:
-        """Per-layer decisions of the last pass, in forward order."""
+    def record(self) -> BackwardRecord:
+        """What the pass decided, without references to the graph."""
         order = {p.name: p.seq for p in self.plan.layers()}
         names = sorted(self.decisions, key=lambda n: order.get(n, 0))
-        return {n: self.decisions[n].report(self.config) for n in names}
+        return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
+                              dict(self.leaf_scales), dict(self.captured), dict(self.model_scales))
 
     # -- hooks --------------------------------------------------------------------
-    def _pre_hook(self, p: NodePlan, is_root: bool) -> Callable[[tuple[Any, ...]], Any]:
-        def hook(grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-            go = list(grad_outputs)
-            if is_root:
-                self._begin(go)
-            self._merge_outputs(p, go)
-            if p.kind == "layer":
-                self._layer(p, go)
-            elif p.kind == "cast":
-                self._cast(p, go)
-            elif p.param is not None and go[0] is not None and self.values[p.sym] is not None:
-                go[0] = self.on_leaf(p.param, go[0], self.values[p.sym])
-                self.leaf_scales[id(p.param)] = (p.param, self.values[p.sym])
-            return tuple(go)
-        return hook
+    def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        p = self.plan.order[i]
+        go = list(grad_outputs)
+        if i == 0:
+            self._begin(go)
+        self._merge_outputs(p, go)
+        if p.kind == "layer":
+            self._layer(p, go)
+        elif p.kind == "cast":
+            self._cast(p, go)
+        elif p.param is not None and go[0] is not None and self.values[p.sym] is not None:
+            go[0] = self.on_leaf(p.param, go[0], self.values[p.sym])
+            self.leaf_scales[id(p.param)] = (p.param, self.values[p.sym])
+        return tuple(go)
 
-    def _post_hook(self, p: NodePlan) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
-        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-            gi = list(grad_inputs)
-            s = self.layer_s.pop(p, None)
-            if s is not None:
-                inv = 1.0 / s
-                for i, t in enumerate(gi):
-                    if i != p.act_edge and t is not None:
-                        gi[i] = rescale(t, inv)
-            for i, key in p.stash_edges.items():
-                t = gi[i]
-                if t is None:
-                    continue
-                self.stash.setdefault(key, []).append((t, p.edge_syms[i]))
-                if key in self.carried:
-                    gi[i] = None
-                else:
-                    self.carried.add(key)
-            return tuple(gi)
-        return hook
+    def post(self, i: int, grad_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        p = self.plan.order[i]
+        gi = list(grad_inputs)
+        s = self.layer_s.pop(p, None)
+        if s is not None:
+            inv = 1.0 / s
+            for j, t in enumerate(gi):
+                if j != p.act_edge and t is not None:
+                    gi[j] = rescale(t, inv)
+        for j, key in p.stash_edges.items():
+            t = gi[j]
+            if t is None:
+                continue
+            self.stash.setdefault(key, []).append((t, p.edge_syms[j]))
+            if key in self.carried:
+                gi[j] = None
+            else:
+                self.carried.add(key)
+        return tuple(gi)
 
     def _begin(self, go: list[Any]) -> None:
         self._reset()
@@ -170,7 +206,7 @@ class ScaledBackward:
         self.values[0] = init
         if self.config.init_scale != 1.0:
             go[0] = rescale(g, init)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.on_done(self))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.on_done(self.record()))
 
     # -- merges -------------------------------------------------------------------
     def _merge(self, parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype

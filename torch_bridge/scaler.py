@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -38,7 +39,7 @@ from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
-from torch_bridge.hooks import ScaledBackward, rescale
+from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale
 
 _F32 = torch.float32
 
@@ -82,7 +83,7 @@ class AdaLossScaler:
         self._skipped = 0
         self._model_scales: dict[str, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # scale of p.grad now
-        self._last: ScaledBackward | None = None
+        self._last: BackwardRecord | None = None
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
     # -- properties -------------------------------------------------------------------
@@ -121,13 +122,16 @@ class AdaLossScaler:
         if root is None:
             raise RuntimeError("scale(): the loss has no autograd graph (it does not require grad, "
                                "or it is a leaf); was the forward run under torch.no_grad()?")
-        if "adaloss" in root.metadata:
+        prepared = root.metadata.get("adaloss")
+        if prepared is not None and prepared() is not None:
             return outputs  # already prepared
         plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule)
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, capture=self.capture)
-        root.metadata["adaloss"] = sb
+        # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
+        outputs._adaloss_backward = sb
+        root.metadata["adaloss"] = weakref.ref(sb)
         return outputs
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -166,9 +170,9 @@ class AdaLossScaler:
         self._pending[id(param)] = (param, target)
         return rescale(grad, target / scale)
 
-    def _on_done(self, sb: ScaledBackward) -> None:
-        self._last = sb
-        self._model_scales.update(sb.model_scales)
+    def _on_done(self, record: BackwardRecord) -> None:
+        self._last = record
+        self._model_scales.update(record.model_scales)
 
     # -- unscale / step / update ---------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -225,6 +229,8 @@ class AdaLossScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is _Stage.READY:
             self.unscale_(optimizer)
+        if not state["found_inf"]:
+            state["stage"] = _Stage.READY
         retval = None
         if self._found_inf(optimizer):
             self._skipped += 1

@@ -1,0 +1,306 @@
+"""AdaLossScaler's GradScaler/Apex-style interface: loop, order errors, skipping,
+checkpointing, telemetry, host synchronisation."""
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch_models import MLP, make_case, xent
+
+from torch_bridge import AdaLossConfig, AdaLossScaler
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+def _loss(model, x, y, factor=1e-4):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return factor * xent(model(x), y)
+
+
+def _train(model, scaler, opt, steps):
+    losses = []
+    for i in range(steps):
+        x, y = _batch(i % 4)
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_import_does_not_import_jax():
+    code = ("import sys, torch_bridge; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'optax', 'jax_adaloss')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_drop_in_for_gradscaler_trains_like_it():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = MLP()
+    ref.load_state_dict(model.state_dict())
+    ours = _train(model, AdaLossScaler(model), torch.optim.Adam(model.parameters(), 1e-2), 30)
+    theirs = _train(ref, torch.amp.GradScaler("cpu"), torch.optim.Adam(ref.parameters(), 1e-2), 30)
+    assert ours[-1] < 0.7 * ours[0]
+    assert abs(ours[-1] - theirs[-1]) < 0.05 * theirs[-1]
+
+
+def test_grad_scales_and_layer_reports():
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = AdaLossScaler(model)
+    x, y = _batch()
+    scaler.scale(_loss(model, x, y, 1e-6)).backward()
+    scales = scaler.grad_scales()
+    assert set(scales) == {n for n, _ in model.named_parameters()}
+    for s in scales.values():
+        assert s.dtype == torch.float32 and s.dim() == 0 and s > 0
+        assert torch.frexp(s).mantissa == 0.5  # a power of two
+    reps = scaler.layer_reports()
+    assert list(reps) == ["net.2.weight", "net.4.weight", "cast:0"]  # forward order
+    assert int(reps["net.2.weight"].fan_in) == 64 and int(reps["net.4.weight"].fan_in) == 10
+    for r in reps.values():
+        assert 0.0 <= float(r.predicted_underflow) <= 1.0
+        assert float(r.outgoing_scale) == float(r.incoming_scale * r.scale)
+        assert float(r.scale) <= float(r.unrounded_scale) < 2 * float(r.scale)
+    # the output layer's weight gradient carries the scale arriving at that layer (method step 4)
+    assert float(scales["net.4.weight"]) == float(reps["net.4.weight"].incoming_scale)
+
+
+def test_calls_in_the_wrong_order_raise():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    scaler = AdaLossScaler(model)
+    with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+    with pytest.raises(RuntimeError, match="none of its parameters has a gradient"):
+        scaler.step(opt)
+    x, y = _batch()
+    scaler.scale(_loss(model, x, y)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called on this optimizer"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        scaler.step(opt, closure=lambda: None)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="being called after step"):
+        scaler.unscale_(opt)
+    scaler.update()
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(TypeError, match="nn.Module"):
+        AdaLossScaler("model")
+    with pytest.raises(TypeError, match="AdaLossConfig"):
+        AdaLossScaler(MLP(), {"threshold": 1e-3})
+    scaler = AdaLossScaler(MLP())
+    with pytest.raises(TypeError, match="expects a tensor"):
+        scaler.scale(1.0)
+    with pytest.raises(RuntimeError, match="no autograd graph"):
+        with torch.no_grad():
+            scaler.scale(xent(scaler._model(_batch()[0]), _batch()[1]))
+
+
+def test_unscale_before_clipping_then_step_does_not_unscale_again():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = _batch()
+    ref = torch.autograd.grad(1e-4 * xent(model(x), y), list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), 0.0)
+    scaler = AdaLossScaler(model)
+    scaler.scale(_loss(model, x, y)).backward()
+    scaler.unscale_(opt)
+    for p, r in zip(model.parameters(), ref):
+        assert float((p.grad - r).abs().max() / r.abs().max()) < 0.1
+    before = [p.grad.clone() for p in model.parameters()]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    scaler.step(opt)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+
+
+def test_non_finite_gradient_skips_the_step_and_keeps_state():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    scaler = AdaLossScaler(model)
+    _train(model, scaler, opt, 2)
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    x, y = _batch()
+    x[0, 0] = float("nan")
+    opt.zero_grad()
+    scaler.scale(_loss(model, x, y)).backward()
+    assert scaler.step(opt) is None
+    scaler.update()
+    assert scaler.skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
+    _train(model, scaler, opt, 1)  # and training goes on
+    assert scaler.skipped_steps == 1
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+
+
+class _SyncCounter:
+    """Counts tensor -> Python conversions (the host synchronisations of a GPU step)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _orig=orig, **k):
+                self.count += 1
+                return _orig(t, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+
+def test_one_host_sync_per_step(monkeypatch):
+    torch.manual_seed(0)
+    model, x, y = make_case("gpt")
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    scaler = AdaLossScaler(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = 1e-4 * xent(model(x), y)
+    counter = _SyncCounter(monkeypatch)
+    scaler.scale(loss).backward()
+    assert counter.count == 0, "the backward synchronised with the host"
+    scaler.step(opt)
+    scaler.update()
+    assert counter.count == 1
+
+
+def test_enabled_false_is_a_pass_through():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = _batch()
+    ref = torch.autograd.grad(xent(model(x), y), list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    scaler = AdaLossScaler(model, enabled=False)
+    assert not scaler.is_enabled()
+    loss = xent(model(x), y)
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
+    scaler.unscale_(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert scaler.state_dict() == {} and scaler.grad_scales() == {}
+
+
+def test_state_dict_round_trip_and_config_check():
+    torch.manual_seed(0)
+    model = MLP()
+    cfg = AdaLossConfig(update_every=3)
+    scaler = AdaLossScaler(model, cfg)
+    _train(model, scaler, torch.optim.SGD(model.parameters(), 0.1), 2)
+    state = scaler.state_dict()
+    assert state["iteration"] == 2 and set(state["model_scales"]) == set(scaler.layer_reports())
+    other = AdaLossScaler(model, cfg)
+    other.load_state_dict(state)
+    assert other.iteration == 2 and other.state_dict()["model_scales"].keys() == state["model_scales"].keys()
+    with pytest.raises(ValueError, match="update_every"):
+        AdaLossScaler(model).load_state_dict(state)
+    with pytest.raises(RuntimeError, match="empty"):
+        AdaLossScaler(model).load_state_dict({})
+
+
+def test_update_every_reuses_the_statistical_scales():
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = AdaLossScaler(model, AdaLossConfig(update_every=3, accum_bound=2.0**24))
+    opt = torch.optim.SGD(model.parameters(), 0.5)
+    seen = []
+    for i in range(4):
+        _train(model, scaler, opt, 1)
+        seen.append({k: float(r.model_scale) for k, r in scaler.layer_reports().items()})
+        assert scaler.iteration == i + 1
+    assert seen[1] == seen[0] and seen[2] == seen[0]
+    fresh = AdaLossScaler(model, AdaLossConfig(accum_bound=2.0**24))
+    x, y = _batch(3)
+    fresh.scale(_loss(model, x, y)).backward()
+    # iteration 3 recomputed: the statistics of the moved weights
+    assert seen[3] != seen[0]
+
+
+def test_apex_scale_loss_context():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = _batch()
+    ref = torch.autograd.grad(1e-4 * xent(model(x), y), list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    scaler = AdaLossScaler(model)
+    with scaler.scale_loss(_loss(model, x, y), opt) as scaled:
+        scaled.backward()
+    for p, r in zip(model.parameters(), ref):  # unscaled on exit
+        assert float((p.grad - r).abs().max() / r.abs().max()) < 0.1
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    # a non-finite gradient: the next optimizer.step() is skipped, the one after runs
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    opt.zero_grad()
+    with scaler.scale_loss(_loss(model, bad, y), opt) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert scaler.skipped_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    with scaler.scale_loss(_loss(model, x, y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_gradient_accumulation_merges_scales_across_backward_calls():
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [(*_batch(1), 1e-6), (*_batch(2), 1e-3)]  # very different loss magnitudes
+
+    def alone(x, y, factor):
+        model.zero_grad()
+        scaler = AdaLossScaler(model)
+        scaler.scale(_loss(model, x, y, factor)).backward()
+        scales = scaler.grad_scales()
+        return [p.grad / scales[n] for n, p in model.named_parameters()], scales
+
+    (g1, s1), (g2, s2) = (alone(*b) for b in batches)
+    assert any(float(s1[n]) != float(s2[n]) for n in s1)
+    model.zero_grad()
+    scaler = AdaLossScaler(model)
+    for x, y, factor in batches:
+        scaler.scale(_loss(model, x, y, factor)).backward()
+    scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
+    for p, a, b in zip(model.parameters(), g1, g2):
+        assert float((p.grad - (a + b)).abs().max() / (a + b).abs().max()) < 1e-3
+
+
+def test_graph_and_hooks_are_freed():
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = AdaLossScaler(model)
+    x, y = _batch()
+    loss = _loss(model, x, y)
+    scaler.scale(loss)
+    ref = loss.grad_fn.metadata["adaloss"]
+    loss.backward()
+    assert scaler.layer_reports()  # the record outlives the graph
+    del loss
+    gc.collect()
+    assert ref() is None  # and with it the plan's references to the graph
