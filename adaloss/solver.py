@@ -10,7 +10,7 @@ For a layer ``y = x·Wᵀ`` whose incoming cotangent ``g`` carries scale ``P``
 
 1. Spread σ of the quantity that must not underflow, by ``config.model``:
 
-   - ``product``:  σ² = E[g²]·E[W²]
+   - ``product``:  σ² = E[g²]·E[W²]  (= (σ_g² + μ_g²)(σ_W² + μ_W²))
    - ``output``:   σ² = E[g²]·E[W²]·ρ·n
    - ``gradient``: σ² = Var[g]
 
@@ -36,10 +36,14 @@ Array = Any  # a 0-d or n-d array of the caller's framework
 
 
 class TensorStats(NamedTuple):
-    """fp32 statistics of a tensor over all entries, zeros included."""
+    """fp32 statistics of a tensor over all entries, zeros included.
 
-    mean: Array
-    var: Array  # population variance
+    ``mean`` may be ``None`` where the statistical model does not use it (the
+    ``product``/``output`` models need only ``E[x²]``), to save a reduction.
+    """
+
+    mean: Array | None
+    sq_mean: Array  # E[x²] = variance + mean²
     min: Array
     max: Array
 
@@ -69,9 +73,14 @@ def _f32(x: Array, xp: Any) -> Array:
 
 
 def tensor_stats(x: Array, xp: Any) -> TensorStats:
-    """Mean, population variance, min and max of ``x`` in fp32."""
+    """Mean, mean square, min and max of ``x`` in fp32."""
     x = _f32(x, xp)
-    return TensorStats(xp.mean(x), xp.var(x), xp.min(x), xp.max(x))
+    return TensorStats(xp.mean(x), xp.mean(x * x), xp.min(x), xp.max(x))
+
+
+def variance(t: TensorStats, xp: Any) -> Array:
+    """Population variance ``E[x²] − E[x]²`` (clipped at 0)."""
+    return xp.maximum(t.sq_mean - t.mean * t.mean, xp.zeros_like(t.sq_mean))
 
 
 def log_stats(x: Array, xp: Any) -> LogStats:
@@ -95,12 +104,17 @@ def pow2_floor(x: Array, xp: Any) -> Array:
     return xp.ldexp(xp.ones_like(x), exponent - 1)
 
 
+def absmax(t: TensorStats, xp: Any) -> Array:
+    """``max|x|`` from the min and max."""
+    return xp.maximum(xp.abs(t.min), xp.abs(t.max))
+
+
 def model_sigma(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
                 fan_in: int, xp: Any) -> Array:
     """σ of the quantity that must not underflow, by ``config.model``."""
     if config.model == "gradient" or w is None:
-        return xp.sqrt(g.var)
-    sigma = xp.sqrt((g.var + g.mean**2) * (w.var + w.mean**2))
+        return xp.sqrt(variance(g, xp))
+    sigma = xp.sqrt(g.sq_mean * w.sq_mean)
     if config.model == "output":
         sigma = sigma * float(config.relu_fraction * fan_in) ** 0.5
     return sigma
@@ -122,12 +136,12 @@ def model_scale(config: AdaLossConfig, sigma: Array, xp: Any) -> Array:
 def overflow_cap(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
                  fan_in: int, xp: Any) -> Array:
     """Largest scale that keeps the layer's output below u_max (inf when m = 0)."""
-    if config.model == "gradient" or w is None:
-        m = xp.maximum(xp.abs(g.min), xp.abs(g.max))
-        limit = config.overflow_limit
-    else:
-        m = xp.maximum(xp.maximum(xp.abs(g.min * w.min), xp.abs(g.min * w.max)),
-                       xp.maximum(xp.abs(g.max * w.min), xp.abs(g.max * w.max)))
+    m = absmax(g, xp)
+    limit = config.overflow_limit
+    if config.model != "gradient" and w is not None:
+        # the largest |product| of an entry of g and one of W: max|g|·max|W| (exactly,
+        # as rounding is monotonic)
+        m = m * absmax(w, xp)
         limit = config.overflow_limit / fan_in
     return _cap(limit, m, xp)
 

@@ -283,8 +283,7 @@ class _Sweep:
             w_ct = node.vjp([g])[node.wgt]
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
         pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-        self._report(node, d, incoming, outgoing, pred,
-                     jnp.maximum(jnp.abs(g_stats.min), jnp.abs(g_stats.max)))
+        self._report(node, d, incoming, outgoing, pred, solver.absmax(g_stats, jnp))
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config

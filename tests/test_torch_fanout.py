@@ -25,8 +25,10 @@ def _run(name):
     with torch.autocast("cpu", dtype=torch.float16):
         loss = 1e-6 * xent(model(x), y)
     scaler.scale(loss)
-    plan = loss.grad_fn.metadata["adaloss"]().plan
-    merges = [p for p in plan.order if p.merges or p.cross_merge]
+    sb = loss.grad_fn.metadata["adaloss"]()
+    plan = sb.plan
+    merges = [(p, plan.nodes[p.index], plan.params[p.index]) for p in plan.order
+              if p.merges or p.cross_merge]
     loss.backward()
     scales = scaler.grad_scales()
     for (n, p), r in zip(model.named_parameters(), ref):
@@ -40,13 +42,12 @@ def test_residual_branches_with_different_scales():
     reps = scaler.layer_reports()
     branch = [float(reps[f"blocks.{i}.0.weight"].scale * reps[f"blocks.{i}.2.weight"].scale) for i in (0, 1)]
     assert any(s != 1.0 for s in branch), "the residual branches carried the same scale"
-    assert any(p.node.name() == "AddBackward0" for p in merges)
+    assert any(node.name() == "AddBackward0" for _, node, _ in merges)
 
 
 def test_tied_embedding_merges_at_the_parameter():
     scaler, merges = _run("gpt")
-    leaves = [p for p in merges if p.param is not None]
-    assert [p.param for p in leaves] == [scaler._model.tok.weight]
+    assert [param for p, _, param in merges if p.leaf] == [scaler._model.tok.weight]
 
 
 def test_multihead_attention_and_encoder_layer():

@@ -20,13 +20,15 @@ module walks that graph once and decides, in the same terms as
   is a *merge point*; a node whose outputs carry different scales merges them.
 
 Scales are symbols here (small ints); their values are computed in hooks while
-the backward runs (:mod:`torch_bridge.hooks`).
+the backward runs (:mod:`torch_bridge.hooks`). The plan is index-based and
+cached by the graph's structure (node types, edges, parameters, dtypes and
+shapes), so a training loop classifies its graph once, not every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,84 +59,158 @@ def _is_float(dtype: torch.dtype) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class NodePlan:
-    """What one backward node does to scales. ``sym`` values are scale symbols."""
+    """What the node at position ``index`` of the plan does to scales (``sym``: scale symbols).
 
-    node: Any
+    Static: the same for every graph of one structure; the node objects of a
+    particular graph are in :attr:`ScalePlan.nodes`.
+    """
+
+    index: int
     kind: str = "op"  # "op" | "layer" | "cast"
     name: str = ""
-    seq: int = 0
+    rank: int = 0  # forward (creation) order
     out_dtypes: tuple[torch.dtype, ...] = ()
-    # per output k: contributions (consumer plan, consumer edge index, symbol)
-    contribs: dict[int, list[tuple[NodePlan, int, int]]] = dataclasses.field(
-        default_factory=lambda: defaultdict(list))
+    edges: tuple[tuple[int, int] | None, ...] = ()  # per input edge: (producer index, its output k)
+    leaf: bool = False  # an AccumulateGrad node (its parameter is ScalePlan.params[index])
     merges: dict[int, int] = dataclasses.field(default_factory=dict)  # output k -> merged symbol
     out_syms: dict[int, int] = dataclasses.field(default_factory=dict)  # output k -> symbol
-    cross_merge: bool = False  # outputs carry different symbols: merge them into ``sym``
+    cross_merge: bool = False  # outputs carry different symbols: merged into ``sym``
     sym: int = -1  # the scale of the cotangent the node computes with
     send: int = -1  # symbol sent on the activation edge (layer) / every edge (cast)
     edge_syms: dict[int, int] = dataclasses.field(default_factory=dict)  # edge i -> symbol sent
-    stash_edges: dict[int, tuple[NodePlan, int]] = dataclasses.field(default_factory=dict)
-    # layers
+    stash_edges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     act_edge: int = -1
     weight_attr: str = ""
     fan_in: int = 1
-    param: torch.Tensor | None = None  # AccumulateGrad: the leaf
+
+    @property
+    def hooked_before(self) -> bool:
+        return self.leaf or bool(self.merges) or self.cross_merge or self.kind != "op"
+
+    @property
+    def hooked_after(self) -> bool:
+        return self.kind == "layer" or bool(self.stash_edges)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+    order: tuple[NodePlan, ...]  # consumers before producers; order[0] is the root
+    walk_to_order: tuple[int, ...]  # position in the walk -> position in ``order``
+    n_syms: int  # symbol 0: the seed (init_scale)
+
+
+class _Walk:
+    """One pass over a graph: nodes (depth first from the root) and a structural key."""
+
+    def __init__(self, root: Any, param_names: Mapping[int, str]) -> None:
+        self.nodes = [root]
+        index = {root: 0}
+        self.edges: list[tuple[tuple[int, int] | None, ...]] = []
+        key: list[Any] = []
+        i = 0
+        while i < len(self.nodes):
+            node = self.nodes[i]
+            edges = []
+            for nxt, k in node.next_functions:
+                if nxt is None:
+                    edges.append(None)
+                    continue
+                j = index.get(nxt)
+                if j is None:
+                    j = index[nxt] = len(self.nodes)
+                    self.nodes.append(nxt)
+                edges.append((j, k))
+            self.edges.append(tuple(edges))
+            meta = tuple((m.dtype, tuple(m.shape)) for m in node._input_metadata)
+            var = getattr(node, "variable", None)
+            key.append((node.name(), self.edges[-1], meta,
+                        None if var is None else (id(var), param_names.get(id(var)))))
+            i += 1
+        self.key = tuple(key)
 
 
 class ScalePlan:
-    """The scale symbols of one backward pass, planned from ``root`` (``loss.grad_fn``)."""
+    """The scale symbols of one backward pass, planned from ``root`` (``loss.grad_fn``).
 
-    def __init__(self, root: Any, param_names: Mapping[int, str], cast_rule: bool = True) -> None:
+    ``cache`` (a dict the caller keeps) maps graph structures to their plans.
+    """
+
+    def __init__(self, root: Any, param_names: Mapping[int, str], cast_rule: bool = True,
+                 cache: OrderedDict[Any, _Template] | None = None, cache_size: int = 8) -> None:
+        walk = _Walk(root, param_names)
+        key = (walk.key, cast_rule)
+        template = cache.get(key) if cache is not None else None
+        if template is None:
+            template = _Builder(walk, param_names, cast_rule).template()
+            if cache is not None:
+                cache[key] = template
+                while len(cache) > cache_size:
+                    cache.popitem(last=False)
+        elif cache is not None:
+            cache.move_to_end(key)
         self.root = root
-        self.param_names = param_names
-        self.cast_rule = cast_rule
-        self.plans: dict[Any, NodePlan] = {}
-        self.order: list[NodePlan] = []  # consumers before producers
-        self.n_syms = 1  # symbol 0: the seed (init_scale)
-        self._origin: dict[Any, str | None] = {}
-        self._collect()
+        self.order = template.order
+        self.n_syms = template.n_syms
+        self.nodes: list[Any] = [None] * len(walk.nodes)
+        for w, o in enumerate(template.walk_to_order):
+            self.nodes[o] = walk.nodes[w]
+        self.params: list[torch.Tensor | None] = [
+            getattr(n, "variable", None) if p.leaf else None for n, p in zip(self.nodes, self.order)]
+
+    def layers(self) -> list[NodePlan]:
+        """Layer and cast nodes in forward order."""
+        return sorted((p for p in self.order if p.kind != "op"), key=lambda p: p.rank)
+
+
+class _Builder:
+    """Classifies the nodes of a walk and assigns scale symbols."""
+
+    def __init__(self, walk: _Walk, param_names: Mapping[int, str], cast_rule: bool) -> None:
+        self.walk, self.param_names, self.cast_rule = walk, param_names, cast_rule
+        n = len(walk.nodes)
+        # Kahn's topological order over walk positions
+        deps = [0] * n
+        for edges in walk.edges:
+            for e in edges:
+                if e is not None:
+                    deps[e[0]] += 1
+        order: list[int] = []
+        ready = [0]
+        while ready:
+            w = ready.pop()
+            order.append(w)
+            for e in walk.edges[w]:
+                if e is not None:
+                    deps[e[0]] -= 1
+                    if deps[e[0]] == 0:
+                        ready.append(e[0])
+        self.walk_pos = order  # order position -> walk position
+        self.pos = {w: o for o, w in enumerate(order)}  # walk position -> order position
+        self.nodes = [walk.nodes[w] for w in order]
+        seqs = sorted(range(len(order)), key=lambda o: self.nodes[o]._sequence_nr())
+        rank = {o: r for r, o in enumerate(seqs)}
+        self.plans = [
+            NodePlan(o, rank=rank[o],
+                     out_dtypes=tuple(m.dtype for m in self.nodes[o]._input_metadata),
+                     edges=tuple(None if e is None else (self.pos[e[0]], e[1]) for e in walk.edges[w]),
+                     leaf=hasattr(self.nodes[o], "variable"))
+            for o, w in enumerate(order)]
+        self.origin: list[str | None] = [_ACT] * len(order)
+        self.n_syms = 1
+
+    def template(self) -> _Template:
         self._classify()
         self._assign()
+        walk_to_order = tuple(self.pos[w] for w in range(len(self.walk_pos)))
+        return _Template(tuple(self.plans), walk_to_order, self.n_syms)
 
-    # -- graph --------------------------------------------------------------------
-    def _collect(self) -> None:
-        """Nodes in topological order (Kahn), ties broken by latest-created first."""
-        deps: dict[Any, int] = defaultdict(int)
-        seen = {self.root}
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            self.plans[node] = NodePlan(node, seq=node._sequence_nr(),
-                                        out_dtypes=tuple(m.dtype for m in node._input_metadata))
-            for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                deps[nxt] += 1
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        ready = [self.root]
-        while ready:
-            node = ready.pop()
-            self.order.append(self.plans[node])
-            for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                deps[nxt] -= 1
-                if deps[nxt] == 0:
-                    ready.append(nxt)
-
-    def origin(self, node: Any) -> str | None:
-        """Parameter name if ``node``'s output is computed from parameters only, else ``None``."""
-        return self._origin[node]
-
+    # -- classification -------------------------------------------------------------
     def _classify(self) -> None:
-        for plan in reversed(self.order):  # producers first
-            node = plan.node
-            self._origin[node] = self._node_origin(plan)
+        for o in reversed(range(len(self.plans))):  # producers first
+            self.origin[o] = self._node_origin(o)
         names: dict[str, int] = defaultdict(int)
         casts = 0
-        for plan in sorted(self.order, key=lambda p: p.seq):  # forward order
+        for plan in sorted(self.plans, key=lambda p: p.rank):  # forward order
             if self._as_layer(plan):
                 k = names[plan.name]
                 names[plan.name] += 1
@@ -143,51 +219,41 @@ class ScalePlan:
                 plan.kind, plan.name = "cast", f"cast:{casts}"
                 casts += 1
 
-    def _node_origin(self, plan: NodePlan) -> str | None:
-        node = plan.node
-        if hasattr(node, "variable"):  # AccumulateGrad
-            plan.param = node.variable
+    def _node_origin(self, o: int) -> str | None:
+        node, plan = self.nodes[o], self.plans[o]
+        if plan.leaf:
             return self.param_names.get(id(node.variable), _ACT)
         if node.name() in _LOOKUP:
             return _ACT
         names = []
-        for i, (nxt, _) in enumerate(node.next_functions):
-            if nxt is None:
-                if not self._scalar_operand(node, i):
+        for i, e in enumerate(plan.edges):
+            if e is None:
+                if not _scalar_operand(node, i):
                     return _ACT
                 continue
-            o = self._origin[nxt]
-            if o is _ACT:
+            origin = self.origin[e[0]]
+            if origin is _ACT:
                 return _ACT
-            names.append(o)
+            names.append(origin)
         return names[0] if names else _ACT
 
-    @staticmethod
-    def _scalar_operand(node: Any, i: int) -> bool:
-        attrs = _SCALAR_OPERAND.get(node.name())
-        if attrs is None or i > 1:
-            return False
-        saved = getattr(node, attrs[i], None)
-        return isinstance(saved, torch.Tensor) and saved.numel() == 1
-
     def _as_layer(self, plan: NodePlan) -> bool:
-        node = plan.node
+        node = self.nodes[plan.index]
         kind = node.name()
-        edges = node.next_functions
         if kind in _MATMUL:
-            (ia, ib), attrs = _MATMUL[kind]
-            operands = (ia, ib)
+            operands, attrs = _MATMUL[kind]
         elif kind == _CONV:
             operands, attrs = (0, 1), ("", "_saved_weight")
         else:
             return False
-        origins = [_ACT if edges[i][0] is None else self._origin[edges[i][0]] for i in operands]
+        edges = plan.edges
+        origins = [_ACT if edges[i] is None else self.origin[edges[i][0]] for i in operands]
         weights = [j for j in (0, 1) if origins[j] is not _ACT]
         if len(weights) != 1 or (kind == _CONV and weights[0] != 1):
             return False
         w = weights[0]
         act = operands[1 - w]
-        if edges[act][0] is None:
+        if edges[act] is None:
             return False  # the activation needs no gradient (first layer)
         weight = getattr(node, attrs[w])
         plan.kind, plan.name = "layer", origins[w]
@@ -200,31 +266,31 @@ class ScalePlan:
         if not wide:
             return False
         widest = max(wide)
-        for nxt, k in plan.node.next_functions:
-            if nxt is None:
+        for e in plan.edges:
+            if e is None:
                 continue
-            d = self.plans[nxt].out_dtypes[k]
+            d = self.plans[e[0]].out_dtypes[e[1]]
             if _is_float(d) and d.itemsize <= 2 and d.itemsize < widest:
                 return True
         return False
 
-    # -- symbols ------------------------------------------------------------------
+    # -- symbols --------------------------------------------------------------------
     def _new(self) -> int:
         self.n_syms += 1
         return self.n_syms - 1
 
     def _assign(self) -> None:
-        root = self.plans[self.root]
-        root.contribs[0].append((root, -1, 0))  # the seed
-        for plan in self.order:
-            for k, parts in plan.contribs.items():
-                syms = {s for _, _, s in parts}
-                if len(syms) == 1:
+        # per producer: output k -> contributions (consumer index, consumer edge, symbol)
+        contribs: list[dict[int, list[tuple[int, int, int]]]] = [defaultdict(list) for _ in self.plans]
+        contribs[0][0].append((0, -1, 0))  # the seed
+        for plan in self.plans:
+            for k, parts in sorted(contribs[plan.index].items()):
+                if len({s for _, _, s in parts}) == 1:
                     plan.out_syms[k] = parts[0][2]
                 else:
                     plan.out_syms[k] = plan.merges[k] = self._new()
                     for consumer, i, _ in parts:
-                        consumer.stash_edges[i] = (plan, k)
+                        self.plans[consumer].stash_edges[i] = (plan.index, k)
             present = set(plan.out_syms.values())
             if len(present) > 1:
                 plan.cross_merge, plan.sym = True, self._new()
@@ -234,20 +300,21 @@ class ScalePlan:
                 continue  # reached only through undefined gradients
             if plan.kind in ("layer", "cast"):
                 plan.send = self._new()
-            for i, (nxt, k) in enumerate(plan.node.next_functions):
-                if nxt is None:
+            for i, e in enumerate(plan.edges):
+                if e is None:
                     continue
                 sym = plan.send if plan.kind == "cast" or i == plan.act_edge else plan.sym
                 plan.edge_syms[i] = sym
-                self.plans[nxt].contribs[k].append((plan, i, sym))
+                contribs[e[0]][e[1]].append((plan.index, i, sym))
 
-    # -- queries ------------------------------------------------------------------
-    def layers(self) -> list[NodePlan]:
-        """Layer and cast nodes in forward order."""
-        return sorted((p for p in self.order if p.kind != "op"), key=lambda p: p.seq)
 
-    def leaves(self) -> list[NodePlan]:
-        return [p for p in self.order if p.param is not None]
+def _scalar_operand(node: Any, i: int) -> bool:
+    """Whether the non-differentiated operand ``i`` of a mul/div node is a scalar constant."""
+    attrs = _SCALAR_OPERAND.get(node.name())
+    if attrs is None or i > 1:
+        return False
+    saved = getattr(node, attrs[i], None)
+    return isinstance(saved, torch.Tensor) and saved.numel() == 1
 
 
 def _fan_in(kind: str, w: int, shape: tuple[int, ...], node: Any) -> int:

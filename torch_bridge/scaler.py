@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import enum
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,6 +84,7 @@ class AdaLossScaler:
         self._model_scales: dict[str, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # scale of p.grad now
         self._last: BackwardRecord | None = None
+        self._plans: OrderedDict[Any, Any] = OrderedDict()  # graph structure -> plan
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
     # -- properties -------------------------------------------------------------------
@@ -125,7 +126,8 @@ class AdaLossScaler:
         prepared = root.metadata.get("adaloss")
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
-        plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule)
+        plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule,
+                         cache=self._plans)
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, capture=self.capture)
