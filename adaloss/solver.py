@@ -173,13 +173,19 @@ def _decide(config: AdaLossConfig, s_model: Array, cap: Array, incoming: Array, 
 
 def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
                 fan_in: int, incoming: Array, xp: Any,
-                cached_model_scale: Array | None = None) -> LayerScale:
+                cached_model_scale: Array | None = None,
+                cached_sigma: Array | None = None) -> LayerScale:
     """The scale a weighted layer applies to its input cotangent.
 
     ``cached_model_scale`` replaces the statistical part (``update_every``);
-    the overflow caps always come from the current ``g`` and ``w``.
+    the overflow caps always come from the current ``g`` and ``w`` (their min
+    and max). With ``cached_sigma`` too, σ is not recomputed (``g``/``w`` may
+    then lack their moments).
     """
-    sigma = model_sigma(config, g, w, fan_in, xp)
+    if cached_model_scale is not None and cached_sigma is not None:
+        sigma = cached_sigma
+    else:
+        sigma = model_sigma(config, g, w, fan_in, xp)
     s_model = model_scale(config, sigma, xp) if cached_model_scale is None else cached_model_scale
     cap = overflow_cap(config, g, w, fan_in, xp)
     return _decide(config, s_model, cap, incoming, sigma, xp)

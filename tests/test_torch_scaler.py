@@ -304,3 +304,17 @@ def test_graph_and_hooks_are_freed():
     del loss
     gc.collect()
     assert ref() is None  # and with it the plan's references to the graph
+
+
+def test_torch_example_and_benchmark_run():
+    import os
+    here = os.path.dirname(__file__)
+    sys.path.insert(0, os.path.join(here, "..", "examples"))
+    sys.path.insert(0, os.path.join(here, "..", "benchmarks"))
+    import torch_char_gpt
+    import torch_step_time
+
+    out = torch_char_gpt.train("fp16+adaloss", steps=3, lr=3e-3, loss_factor=1e-4)
+    assert len(out["losses"]) == 3 and out["skipped"] == 0 and out["scales"]
+    torch_step_time.main(["--dim", "16", "--layers", "1", "--seq", "8", "--batch", "2",
+                          "--steps", "1", "--repeats", "1"])

@@ -21,8 +21,8 @@ module walks that graph once and decides, in the same terms as
 
 Scales are symbols here (small ints); their values are computed in hooks while
 the backward runs (:mod:`torch_bridge.hooks`). The plan is index-based and
-cached by the graph's structure (node types, edges, parameters, dtypes and
-shapes), so a training loop classifies its graph once, not every step.
+cached by the graph's structure (node types, edges, parameters), so a training
+loop classifies its graph once, not every step.
 """
 
 from __future__ import annotations
@@ -100,7 +100,12 @@ class _Template:
 
 
 class _Walk:
-    """One pass over a graph: nodes (depth first from the root) and a structural key."""
+    """One pass over a graph: nodes (breadth first from the root) and a structural key.
+
+    The key is the node types, the edges and the parameters; dtypes and shapes
+    are left out (reading them costs as much as the rest of the walk): a change
+    of dtype that adds or removes a cast changes the node types, and layers'
+    fan-ins come from parameter shapes."""
 
     def __init__(self, root: Any, param_names: Mapping[int, str]) -> None:
         self.nodes = [root]
@@ -121,9 +126,8 @@ class _Walk:
                     self.nodes.append(nxt)
                 edges.append((j, k))
             self.edges.append(tuple(edges))
-            meta = tuple((m.dtype, tuple(m.shape)) for m in node._input_metadata)
             var = getattr(node, "variable", None)
-            key.append((node.name(), self.edges[-1], meta,
+            key.append((node.name(), self.edges[-1],
                         None if var is None else (id(var), param_names.get(id(var)))))
             i += 1
         self.key = tuple(key)

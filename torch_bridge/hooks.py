@@ -69,6 +69,7 @@ class BackwardRecord:
     leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
     captured: dict[str, torch.Tensor]
     model_scales: dict[str, torch.Tensor]
+    spreads: dict[str, Any]
 
     def reports(self) -> dict[str, LayerReport]:
         return {n: d.report(self.config) for n, d in self.decisions.items()}
@@ -86,6 +87,12 @@ def tensor_stats(x: torch.Tensor, with_mean: bool = True) -> solver.TensorStats:
     sq = torch.linalg.vector_norm(x, dtype=_F32).square() / n
     lo, hi = torch.aminmax(x)
     return solver.TensorStats(mean, sq, lo.to(_F32), hi.to(_F32))
+
+
+def _min_max(x: torch.Tensor) -> solver.TensorStats:
+    """Only the min and max (enough for the overflow caps)."""
+    lo, hi = torch.aminmax(x)
+    return solver.TensorStats(None, None, lo.to(_F32), hi.to(_F32))
 
 
 def log_stats(x: torch.Tensor) -> solver.LogStats:
@@ -141,17 +148,20 @@ class ScaledBackward:
 
     ``on_leaf(param, grad, scale)`` is called for each parameter's (merged)
     gradient before autograd accumulates it and returns the tensor to accumulate.
-    ``model_scales`` (layer name -> cached statistical scale) is used instead of
-    fresh statistics when ``recompute`` is False (``update_every``).
+    ``model_scales`` (layer name -> cached statistical scale) and ``spreads`` (its σ,
+    or a cast's log-statistics) are used instead of fresh statistics when
+    ``recompute`` is False (``update_every``); then only min/max are computed.
     """
 
     def __init__(self, plan: ScalePlan, config: AdaLossConfig, on_leaf: LeafHook,
                  on_done: Callable[[BackwardRecord], None], *, recompute: bool = True,
-                 model_scales: dict[str, torch.Tensor] | None = None, capture: bool = False) -> None:
+                 model_scales: dict[str, torch.Tensor] | None = None,
+                 spreads: dict[str, Any] | None = None, capture: bool = False) -> None:
         self.plan, self.config = plan, config
         self.on_leaf, self.on_done = on_leaf, on_done
         self.recompute = recompute
         self.cached = model_scales or {}
+        self.spreads = spreads or {}
         self.capture = capture
         self.handles: list[Any] = []
         self.leaf_handles: list[Any] = []
@@ -191,6 +201,7 @@ class ScaledBackward:
         self.layer_s: dict[int, torch.Tensor] = {}
         self.decisions: dict[str, _Decision] = {}
         self.model_scales: dict[str, torch.Tensor] = {}
+        self.new_spreads: dict[str, Any] = {}
         self.captured: dict[str, torch.Tensor] = {}
         self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -205,7 +216,8 @@ class ScaledBackward:
         order = {p.name: p.rank for p in self.plan.layers()}
         names = sorted(self.decisions, key=lambda n: order.get(n, 0))
         return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
-                              dict(self.leaf_scales), dict(self.captured), dict(self.model_scales))
+                              dict(self.leaf_scales), dict(self.captured), dict(self.model_scales),
+                              dict(self.new_spreads))
 
     # -- hooks --------------------------------------------------------------------
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -268,7 +280,7 @@ class ScaledBackward:
     def _merge(self, parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
                ) -> tuple[list[torch.Tensor], torch.Tensor]:
         scales = [s for _, s in parts]
-        absmax = [t.abs().amax().to(_F32) for t, _ in parts]
+        absmax = [solver.absmax(_min_max(t), xp) for t, _ in parts]
         target = solver.merge_scale(scales, absmax, _u_max(self.config, dtype), xp)
         return [rescale(t, target / s) for t, s in parts], target
 
@@ -292,9 +304,12 @@ class ScaledBackward:
                 go[k] = t
 
     # -- scale decisions ------------------------------------------------------------
-    def _cached(self, name: str) -> torch.Tensor | None:
-        """The cached statistical scale to reuse (``update_every``), or None: compute it."""
-        return None if self.recompute else self.cached.get(name)
+    def _cached(self, name: str) -> tuple[torch.Tensor, Any] | None:
+        """(statistical scale, spread or None) of the last recompute to reuse
+        (``update_every``), or None: compute them."""
+        if self.recompute or name not in self.cached:
+            return None
+        return self.cached[name], self.spreads.get(name)
 
     def _layer(self, p: NodePlan, go: list[Any]) -> None:
         g, incoming = go[0], self.values[p.sym]
@@ -304,18 +319,25 @@ class ScaledBackward:
         cfg = self.config
         if self.capture:
             self.captured[p.name] = g
-        grad_model = cfg.model == "gradient"
-        gs = tensor_stats(g, with_mean=grad_model)
-        ws = None if grad_model else tensor_stats(getattr(self.plan.nodes[p.index], p.weight_attr), False)
-        d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, xp,
-                               cached_model_scale=self._cached(p.name))
-        self.model_scales[p.name] = d.model_scale
+        weight = None if cfg.model == "gradient" else getattr(self.plan.nodes[p.index], p.weight_attr)
+        cached = self._cached(p.name)
+        if cached is None or cached[1] is None:
+            gs = tensor_stats(g, with_mean=cfg.model == "gradient")
+            ws = None if weight is None else tensor_stats(weight, with_mean=False)
+            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, xp,
+                                   cached_model_scale=None if cached is None else cached[0])
+        else:  # only the overflow caps need current statistics
+            gs = _min_max(g)
+            ws = None if weight is None else _min_max(weight)
+            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, xp, cached_model_scale=cached[0],
+                                   cached_sigma=cached[1])
+        self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         self.layer_s[p.index] = d.scale
         go[0] = rescale(g, d.scale)
-        absmax = solver.absmax(gs, xp)
-        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing, absmax, p.fan_in)
+        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing,
+                                           solver.absmax(gs, xp), p.fan_in)
 
     def _cast(self, p: NodePlan, go: list[Any]) -> None:
         present = [k for k in range(len(go)) if go[k] is not None]
@@ -327,9 +349,15 @@ class ScaledBackward:
         g = go[present[0]]
         if self.capture:
             self.captured[p.name] = g
-        ls = log_stats(g)
-        d = solver.cast_scale(cfg, ls, incoming, xp, cached_model_scale=self._cached(p.name))
-        self.model_scales[p.name] = d.model_scale
+        cached = self._cached(p.name)
+        if cached is None or cached[1] is None:
+            ls = log_stats(g)
+            d = solver.cast_scale(cfg, ls, incoming, xp,
+                                  cached_model_scale=None if cached is None else cached[0])
+        else:  # only the overflow cap needs a current statistic: max|g|
+            ls = cached[1]._replace(absmax=g.abs().amax().to(_F32))
+            d = solver.cast_scale(cfg, ls, incoming, xp, cached_model_scale=cached[0])
+        self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, ls
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         for k in present:

@@ -82,6 +82,7 @@ class AdaLossScaler:
         self._iteration = 0  # update() calls
         self._skipped = 0
         self._model_scales: dict[str, torch.Tensor] = {}
+        self._spreads: dict[str, Any] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # scale of p.grad now
         self._last: BackwardRecord | None = None
         self._plans: OrderedDict[Any, Any] = OrderedDict()  # graph structure -> plan
@@ -130,7 +131,7 @@ class AdaLossScaler:
                          cache=self._plans)
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
-                            model_scales=self._model_scales, capture=self.capture)
+                            model_scales=self._model_scales, spreads=self._spreads, capture=self.capture)
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -175,6 +176,7 @@ class AdaLossScaler:
     def _on_done(self, record: BackwardRecord) -> None:
         self._last = record
         self._model_scales.update(record.model_scales)
+        self._spreads.update(record.spreads)
 
     # -- unscale / step / update ---------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
