@@ -152,13 +152,11 @@ def test_non_finite_gradient_skips_the_step_and_keeps_state():
 
 
 class _SyncCounter:
-    """Counts tensor -> Python conversions (the host synchronisations of a GPU step)."""
+    """Counts tensor -> Python conversions (the host synchronisations of an accelerator step)."""
 
-    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
-
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, names):
         self.count = 0
-        for name in self.NAMES:
+        for name in names:
             orig = getattr(torch.Tensor, name)
 
             def wrapped(t, *a, _orig=orig, **k):
@@ -167,19 +165,40 @@ class _SyncCounter:
             monkeypatch.setattr(torch.Tensor, name, wrapped)
 
 
-def test_one_host_sync_per_step(monkeypatch):
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@pytest.mark.parametrize("host_math", [False, True])
+def test_one_host_sync_per_step(monkeypatch, host_math):
+    """With ``host_math=False`` (what accelerator gradients always use) the decisions stay on
+    device tensors: no conversion to Python at all. With CPU host math, 0-d CPU tensors are
+    viewed as NumPy scalars (``.numpy()``, no copy, no synchronisation) but never read."""
     torch.manual_seed(0)
     model, x, y = make_case("gpt")
     opt = torch.optim.SGD(model.parameters(), 0.1)
-    scaler = AdaLossScaler(model)
+    scaler = AdaLossScaler(model, host_math=host_math)
     with torch.autocast("cpu", dtype=torch.float16):
         loss = 1e-4 * xent(model(x), y)
-    counter = _SyncCounter(monkeypatch)
+    counter = _SyncCounter(monkeypatch, SYNCS if host_math else (*SYNCS, "numpy"))
     scaler.scale(loss).backward()
     assert counter.count == 0, "the backward synchronised with the host"
     scaler.step(opt)
     scaler.update()
     assert counter.count == 1
+
+
+@pytest.mark.parametrize("name", ["residual", "gpt"])
+def test_host_math_and_device_math_decide_identically(name):
+    scales = []
+    for host_math in (False, True):
+        model, x, y = make_case(name)
+        scaler = AdaLossScaler(model, AdaLossConfig(accum_bound=2.0**24), host_math=host_math)
+        with torch.autocast("cpu", dtype=torch.float16):
+            scaler.scale(1e-6 * xent(model(x), y)).backward()
+        reps = scaler.layer_reports()
+        scales.append({k: (float(r.scale), float(r.unrounded_scale)) for k, r in reps.items()})
+    assert scales[0] == scales[1]
+    assert any(s != 1.0 for s, _ in scales[0].values())
 
 
 def test_enabled_false_is_a_pass_through():
@@ -286,6 +305,9 @@ def test_gradient_accumulation_merges_scales_across_backward_calls():
     scaler = AdaLossScaler(model)
     for x, y, factor in batches:
         scaler.scale(_loss(model, x, y, factor)).backward()
+    carried = scaler.grad_scales()  # what .grad carries now
+    for (n, p), a, b in zip(model.named_parameters(), g1, g2):
+        assert float((p.grad / carried[n] - (a + b)).abs().max() / (a + b).abs().max()) < 1e-3
     scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
     for p, a, b in zip(model.parameters(), g1, g2):
         assert float((p.grad - (a + b)).abs().max() / (a + b).abs().max()) < 1e-3

@@ -1,8 +1,9 @@
 """The scale-propagating backward in PyTorch: node hooks that follow a :class:`ScalePlan`.
 
-Every scale is an fp32 0-d tensor on the gradient's device, computed inside
-autograd hooks with :mod:`adaloss.solver` (the same formulas as
-``jax_adaloss``); nothing is copied to the host.
+Statistics are fused torch reductions over each cotangent; the scale
+decisions are :mod:`adaloss.solver`'s formulas (the same as ``jax_adaloss``) on
+fp32 0-d values: device tensors on an accelerator (nothing is copied to the
+host), NumPy scalars for CPU gradients (:mod:`torch_bridge._xp`).
 
 - A layer's pre-hook computes its scale ``s`` from the incoming cotangent ``g``
   (carrying ``P``) and its weight, and hands the node ``s·g``: the input
@@ -28,22 +29,30 @@ import torch
 from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport
-from torch_bridge._xp import xp
+from torch_bridge._xp import ON_TENSORS, ScalarMath, scalar_math, xp
 from torch_bridge.graph import NodePlan, ScalePlan
 
 _F32 = torch.float32
 
-LeafHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (param, this backward's gradient, its scale) -> (gradient to accumulate, scale .grad then carries)
+LeafHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Decision(NamedTuple):
     kind: str  # "layer" | "cast"
     d: solver.LayerScale
     spread: Any  # sigma (layer) or LogStats (cast), for the predicted underflow
-    incoming: torch.Tensor
-    outgoing: torch.Tensor
-    absmax: torch.Tensor
+    incoming: Any
+    outgoing: Any
+    absmax: Any
     fan_in: int
+
+    def to_torch(self, sm: ScalarMath) -> _Decision:
+        conv = sm.to_torch
+        spread = (type(self.spread)(*map(conv, self.spread)) if isinstance(self.spread, tuple)
+                  else conv(self.spread))
+        return _Decision(self.kind, solver.LayerScale(*map(conv, self.d)), spread, conv(self.incoming),
+                         conv(self.outgoing), conv(self.absmax), self.fan_in)
 
     def report(self, config: AdaLossConfig) -> LayerReport:
         if self.kind == "cast":
@@ -65,14 +74,15 @@ class BackwardRecord:
     scale (``id(param) -> (param, scale)``), captured cotangents, statistical scales."""
 
     config: AdaLossConfig
-    decisions: dict[str, _Decision]
+    decisions: dict[str, _Decision]  # values of ``math``'s namespace
     leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
     captured: dict[str, torch.Tensor]
     model_scales: dict[str, torch.Tensor]
-    spreads: dict[str, Any]
+    spreads: dict[str, Any]  # σ or LogStats, of tensors
+    math: ScalarMath = ON_TENSORS
 
     def reports(self) -> dict[str, LayerReport]:
-        return {n: d.report(self.config) for n, d in self.decisions.items()}
+        return {n: d.to_torch(self.math).report(self.config) for n, d in self.decisions.items()}
 
 
 def tensor_stats(x: torch.Tensor, with_mean: bool = True) -> solver.TensorStats:
@@ -146,8 +156,10 @@ class ScaledBackward:
     The caller must keep this object alive until the backward has run (the hooks
     only hold a weak reference); ``on_done`` receives its :class:`BackwardRecord`.
 
-    ``on_leaf(param, grad, scale)`` is called for each parameter's (merged)
-    gradient before autograd accumulates it and returns the tensor to accumulate.
+    ``on_leaf(param, grad, scale)`` is called, before autograd accumulates it, for the
+    gradient of each parameter that already has a ``.grad`` (accumulation) and
+    returns the tensor to accumulate and the scale ``.grad`` will carry. Other
+    parameters need no hook: their scale is read from the plan after the pass.
     ``model_scales`` (layer name -> cached statistical scale) and ``spreads`` (its σ,
     or a cast's log-statistics) are used instead of fresh statistics when
     ``recompute`` is False (``update_every``); then only min/max are computed.
@@ -156,13 +168,16 @@ class ScaledBackward:
     def __init__(self, plan: ScalePlan, config: AdaLossConfig, on_leaf: LeafHook,
                  on_done: Callable[[BackwardRecord], None], *, recompute: bool = True,
                  model_scales: dict[str, torch.Tensor] | None = None,
-                 spreads: dict[str, Any] | None = None, capture: bool = False) -> None:
+                 spreads: dict[str, Any] | None = None, capture: bool = False,
+                 host_math: bool = True) -> None:
         self.plan, self.config = plan, config
         self.on_leaf, self.on_done = on_leaf, on_done
         self.recompute = recompute
         self.cached = model_scales or {}
         self.spreads = spreads or {}
         self.capture = capture
+        self.host_math = host_math
+        self.sm = ON_TENSORS
         self.handles: list[Any] = []
         self.leaf_handles: list[Any] = []
         self.active = False
@@ -178,13 +193,15 @@ class ScaledBackward:
                 self.handles.append(node.register_prehook(_pre_hook(self._me, i)))
             if p.hooked_after:
                 self.handles.append(node.register_hook(_post_hook(self._me, i)))
-        self._hook_leaves()
 
     def _hook_leaves(self) -> None:
-        if not self.leaf_handles:
-            self.leaf_handles = [node.register_prehook(_pre_hook(self._me, i))
-                                 for i, (p, node) in enumerate(zip(self.plan.order, self.plan.nodes))
-                                 if p.leaf]
+        """Hook the AccumulateGrad nodes that merge (tied weights) or accumulate into a ``.grad``."""
+        self._unhook_leaves()
+        plan = self.plan
+        self.leaf_handles = [
+            node.register_prehook(_pre_hook(self._me, i))
+            for i, (p, node) in enumerate(zip(plan.order, plan.nodes))
+            if p.leaf and (p.merges or plan.params[i].grad is not None)]
 
     def _unhook_leaves(self) -> None:
         for h in self.leaf_handles:
@@ -215,9 +232,12 @@ class ScaledBackward:
         """What the pass decided, without references to the graph."""
         order = {p.name: p.rank for p in self.plan.layers()}
         names = sorted(self.decisions, key=lambda n: order.get(n, 0))
+        conv = self.sm.to_torch
+        spreads = {k: type(v)(*map(conv, v)) if isinstance(v, tuple) else conv(v)
+                   for k, v in self.new_spreads.items()}
         return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
-                              dict(self.leaf_scales), dict(self.captured), dict(self.model_scales),
-                              dict(self.new_spreads))
+                              dict(self.leaf_scales), dict(self.captured),
+                              {k: conv(v) for k, v in self.model_scales.items()}, spreads, self.sm)
 
     # -- hooks --------------------------------------------------------------------
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -234,8 +254,8 @@ class ScaledBackward:
             self._cast(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
             param = self.plan.params[i]
-            go[0] = self.on_leaf(param, go[0], self.values[p.sym])
-            self.leaf_scales[id(param)] = (param, self.values[p.sym])
+            go[0], carried = self.on_leaf(param, go[0], self.sm.to_torch(self.values[p.sym]))
+            self.leaf_scales[id(param)] = (param, carried)
         return tuple(go)
 
     def post(self, i: int, grad_inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -245,7 +265,7 @@ class ScaledBackward:
         gi = list(grad_inputs)
         s = self.layer_s.pop(i, None)
         if s is not None:
-            inv = 1.0 / s
+            inv = self.sm.to_torch(1.0 / s)
             for j, t in enumerate(gi):
                 if j != p.act_edge and t is not None:
                     gi[j] = rescale(t, inv)
@@ -262,11 +282,12 @@ class ScaledBackward:
 
     def _begin(self, go: list[Any]) -> None:
         self._reset()
-        self._hook_leaves()  # again, for a second backward through a retained graph
+        self._hook_leaves()
         self.active = True
         g = go[0]
+        self.sm = scalar_math(g.device, self.host_math)
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
-        self.values[0] = init
+        self.values[0] = self.sm.to_xp(init)
         if self.config.init_scale != 1.0:
             go[0] = rescale(g, init)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -274,15 +295,27 @@ class ScaledBackward:
     def _finish(self) -> None:
         self.active = False
         self._unhook_leaves()
+        for i, p in enumerate(self.plan.order):
+            param = self.plan.params[i]
+            if p.leaf and id(param) not in self.leaf_scales and self.values[p.sym] is not None:
+                self.leaf_scales[id(param)] = (param, self.sm.to_torch(self.values[p.sym]))
         self.on_done(self.record())
 
+    def _stats(self, t: solver.TensorStats | solver.LogStats) -> Any:
+        """Statistics (0-d tensors) as values of the scalar namespace."""
+        return type(t)(*(None if v is None else self.sm.to_xp(v) for v in t))
+
+    def _rescale(self, t: torch.Tensor, factor: Any) -> torch.Tensor:
+        return rescale(t, self.sm.to_torch(factor))
+
     # -- merges -------------------------------------------------------------------
-    def _merge(self, parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _merge(self, parts: list[tuple[torch.Tensor, Any]], dtype: torch.dtype
+               ) -> tuple[list[torch.Tensor], Any]:
+        sx = self.sm.xp
         scales = [s for _, s in parts]
-        absmax = [solver.absmax(_min_max(t), xp) for t, _ in parts]
-        target = solver.merge_scale(scales, absmax, _u_max(self.config, dtype), xp)
-        return [rescale(t, target / s) for t, s in parts], target
+        absmax = [solver.absmax(self._stats(_min_max(t)), sx) for t, _ in parts]
+        target = solver.merge_scale(scales, absmax, _u_max(self.config, dtype), sx)
+        return [self._rescale(t, target / s) for t, s in parts], target
 
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
         for k, msym in p.merges.items():
@@ -304,40 +337,43 @@ class ScaledBackward:
                 go[k] = t
 
     # -- scale decisions ------------------------------------------------------------
-    def _cached(self, name: str) -> tuple[torch.Tensor, Any] | None:
+    def _cached(self, name: str) -> tuple[Any, Any] | None:
         """(statistical scale, spread or None) of the last recompute to reuse
-        (``update_every``), or None: compute them."""
+        (``update_every``), as scalar-namespace values, or None: compute them."""
         if self.recompute or name not in self.cached:
             return None
-        return self.cached[name], self.spreads.get(name)
+        spread = self.spreads.get(name)
+        if spread is not None:
+            spread = self._stats(spread) if isinstance(spread, tuple) else self.sm.to_xp(spread)
+        return self.sm.to_xp(self.cached[name]), spread
 
     def _layer(self, p: NodePlan, go: list[Any]) -> None:
         g, incoming = go[0], self.values[p.sym]
         if g is None or incoming is None:
             self.values[p.send] = incoming
             return
-        cfg = self.config
+        cfg, sx = self.config, self.sm.xp
         if self.capture:
             self.captured[p.name] = g
         weight = None if cfg.model == "gradient" else getattr(self.plan.nodes[p.index], p.weight_attr)
         cached = self._cached(p.name)
         if cached is None or cached[1] is None:
-            gs = tensor_stats(g, with_mean=cfg.model == "gradient")
-            ws = None if weight is None else tensor_stats(weight, with_mean=False)
-            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, xp,
+            gs = self._stats(tensor_stats(g, with_mean=cfg.model == "gradient"))
+            ws = None if weight is None else self._stats(tensor_stats(weight, with_mean=False))
+            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx,
                                    cached_model_scale=None if cached is None else cached[0])
         else:  # only the overflow caps need current statistics
-            gs = _min_max(g)
-            ws = None if weight is None else _min_max(weight)
-            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, xp, cached_model_scale=cached[0],
+            gs = self._stats(_min_max(g))
+            ws = None if weight is None else self._stats(_min_max(weight))
+            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx, cached_model_scale=cached[0],
                                    cached_sigma=cached[1])
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         self.layer_s[p.index] = d.scale
-        go[0] = rescale(g, d.scale)
+        go[0] = self._rescale(g, d.scale)
         self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing,
-                                           solver.absmax(gs, xp), p.fan_in)
+                                           solver.absmax(gs, sx), p.fan_in)
 
     def _cast(self, p: NodePlan, go: list[Any]) -> None:
         present = [k for k in range(len(go)) if go[k] is not None]
@@ -345,21 +381,21 @@ class ScaledBackward:
         if not present or incoming is None:
             self.values[p.send] = incoming
             return
-        cfg = self.config
+        cfg, sx = self.config, self.sm.xp
         g = go[present[0]]
         if self.capture:
             self.captured[p.name] = g
         cached = self._cached(p.name)
         if cached is None or cached[1] is None:
-            ls = log_stats(g)
-            d = solver.cast_scale(cfg, ls, incoming, xp,
+            ls = self._stats(log_stats(g))
+            d = solver.cast_scale(cfg, ls, incoming, sx,
                                   cached_model_scale=None if cached is None else cached[0])
         else:  # only the overflow cap needs a current statistic: max|g|
-            ls = cached[1]._replace(absmax=g.abs().amax().to(_F32))
-            d = solver.cast_scale(cfg, ls, incoming, xp, cached_model_scale=cached[0])
+            ls = cached[1]._replace(absmax=self.sm.to_xp(g.abs().amax().to(_F32)))
+            d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=cached[0])
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, ls
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         for k in present:
-            go[k] = rescale(go[k], d.scale)
+            go[k] = self._rescale(go[k], d.scale)
         self.decisions[p.name] = _Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)

@@ -66,10 +66,13 @@ class AdaLossScaler:
         ``optimizer.step()``), as with ``GradScaler(enabled=False)``.
       capture: keep each layer's incoming cotangent of the last backward
         (:meth:`captured_cotangents`), for underflow measurements.
+      host_math: for CPU gradients, compute the scalar decisions on NumPy fp32
+        scalars (same arithmetic, ~8x cheaper than 0-d tensors); accelerator
+        gradients always use device tensors.
     """
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
-                 enabled: bool = True, capture: bool = False) -> None:
+                 enabled: bool = True, capture: bool = False, host_math: bool = True) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
         config = AdaLossConfig() if config is None else config
@@ -79,6 +82,7 @@ class AdaLossScaler:
         self._config = config
         self._enabled = bool(enabled)
         self.capture = bool(capture)
+        self.host_math = bool(host_math)
         self._iteration = 0  # update() calls
         self._skipped = 0
         self._model_scales: dict[str, torch.Tensor] = {}
@@ -131,7 +135,8 @@ class AdaLossScaler:
                          cache=self._plans)
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
-                            model_scales=self._model_scales, spreads=self._spreads, capture=self.capture)
+                            model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
+                            host_math=self.host_math)
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -158,11 +163,11 @@ class AdaLossScaler:
         self._per_optimizer[id(optimizer)]["stage"] = _Stage.STEPPED
         self.update()
 
-    def _on_leaf(self, param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _on_leaf(self, param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring a new gradient and an existing ``param.grad`` (accumulation) to one scale."""
         if param.grad is None:
-            self._pending[id(param)] = (param, scale)
-            return grad
+            return grad, scale
         old = self._pending.get(id(param), (param, None))[1]
         old = torch.ones((), dtype=_F32, device=grad.device) if old is None else old
         absmax = [param.grad.abs().amax().to(_F32), grad.abs().amax().to(_F32)]
@@ -170,11 +175,11 @@ class AdaLossScaler:
         target = solver.merge_scale([old, scale], absmax, u_max, xp)
         with torch.no_grad():
             param.grad.copy_(rescale(param.grad, target / old))
-        self._pending[id(param)] = (param, target)
-        return rescale(grad, target / scale)
+        return rescale(grad, target / scale), target
 
     def _on_done(self, record: BackwardRecord) -> None:
         self._last = record
+        self._pending.update(record.leaf_scales)
         self._model_scales.update(record.model_scales)
         self._spreads.update(record.spreads)
 
