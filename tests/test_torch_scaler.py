@@ -340,3 +340,30 @@ def test_torch_example_and_benchmark_run():
     assert len(out["losses"]) == 3 and out["skipped"] == 0 and out["scales"]
     torch_step_time.main(["--dim", "16", "--layers", "1", "--seq", "8", "--batch", "2",
                           "--steps", "1", "--repeats", "1"])
+
+
+def test_retained_graph_backward_twice_accumulates():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = _batch()
+    ref = torch.autograd.grad(2e-4 * xent(model(x), y), list(model.parameters()))
+    scaler = AdaLossScaler(model, AdaLossConfig(u_min=2.0**-14))
+    loss = _loss(model, x, y)
+    scaler.scale(loss).backward(retain_graph=True)
+    loss.backward()  # the hooks are still on the retained graph
+    scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
+    for p, r in zip(model.parameters(), ref):
+        assert float((p.grad - r).abs().max() / r.abs().max()) < 5e-3
+
+
+def test_init_scale_seeds_the_backward():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = _batch()
+    ref = torch.autograd.grad(1e-4 * xent(model(x), y), list(model.parameters()))
+    scaler = AdaLossScaler(model, AdaLossConfig(init_scale=1024.0, u_min=2.0**-14))
+    scaler.scale(_loss(model, x, y)).backward()
+    assert float(scaler.layer_reports()["cast:0"].incoming_scale) == 1024.0
+    scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
+    for p, r in zip(model.parameters(), ref):
+        assert float((p.grad - r).abs().max() / r.abs().max()) < 5e-3
