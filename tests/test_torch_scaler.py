@@ -367,3 +367,19 @@ def test_init_scale_seeds_the_backward():
     scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
     for p, r in zip(model.parameters(), ref):
         assert float((p.grad - r).abs().max() / r.abs().max()) < 5e-3
+
+
+def test_parameters_outside_the_model_are_weights_too():
+    torch.manual_seed(0)
+    model = MLP()
+    head = torch.nn.Linear(10, 10)  # trained, but not part of the scaler's model
+    x, y = _batch()
+    scaler = AdaLossScaler(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = 1e-4 * xent(head(model(x)), y)
+    scaler.scale(loss).backward()
+    names = list(scaler.layer_reports())
+    assert any(n.startswith("<parameter (10, 10)") for n in names), names
+    assert "net.4.weight" in names
+    assert head.weight.grad is not None
+    assert set(scaler.grad_scales()) == {n for n, _ in model.named_parameters()}

@@ -5,10 +5,10 @@ PyTorch records the forward pass as a graph of backward nodes
 module walks that graph once and decides, in the same terms as
 ``jax_adaloss``'s reverse sweep:
 
-- a *weight* is a value computed only from model parameters (casts, transposes,
-  views, scalar factors); an *activation* depends on data: an input tensor that
-  does not require grad (a ``None`` edge), an embedding/index lookup, or a leaf
-  tensor that is not a parameter;
+- a *weight* is a value computed only from parameters (``nn.Parameter`` leaves:
+  casts, transposes, views, scalar factors); an *activation* depends on data:
+  an input tensor that does not require grad (a ``None`` edge), an
+  embedding/index lookup, or a leaf tensor that is not a parameter;
 - a *layer* is a matmul (``mm``/``addmm``/``bmm``/``baddbmm``/``mv``/``addmv``)
   or convolution with exactly one weight operand and an activation operand that
   needs a gradient; its fan-in ``n`` is the weight's extent along the output
@@ -226,7 +226,11 @@ class _Builder:
     def _node_origin(self, o: int) -> str | None:
         node, plan = self.nodes[o], self.plans[o]
         if plan.leaf:
-            return self.param_names.get(id(node.variable), _ACT)
+            var = node.variable
+            name = self.param_names.get(id(var))
+            if name is None and isinstance(var, torch.nn.Parameter):
+                name = f"<parameter {tuple(var.shape)} at {id(var):#x}>"  # not in the scaler's model
+            return _ACT if name is None else name
         if node.name() in _LOOKUP:
             return _ACT
         names = []
