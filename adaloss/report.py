@@ -33,3 +33,23 @@ class LayerReport(NamedTuple):
     grad_absmax: Array
     fan_in: Array
     unrounded_scale: Array
+
+
+class LayerUnderflow(NamedTuple):
+    """Measured and predicted underflow of the cotangent entering one layer.
+
+    Attributes:
+      measured: fraction of the entries that are zero in the low-precision backward
+        but non-zero in a reference (fp32) backward at the same weights.
+      predicted: fraction of the true cotangent, modelled as normal, that the scale
+        it carries leaves below u_min: ``erf(u_min / (P·σ·√2))``, σ the std of the
+        reference cotangent, P the carried scale.
+      reference_zero: fraction of entries that are zero in the reference too
+        (ReLU, masks): they cannot underflow.
+      size: number of entries.
+    """
+
+    measured: float
+    predicted: float
+    reference_zero: float
+    size: int

@@ -10,8 +10,10 @@ from jax_adaloss.api import grad, value_and_grad
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, unscale_tree
 from jax_adaloss.transform import AdaLossState, adaloss
+from jax_adaloss.underflow import LayerUnderflow, layer_cotangents, measure_underflow
 
 __all__ = [
     "AdaLossConfig", "AdaLossState", "BackwardReport", "LayerReport", "ScaleCache", "ScaledGrad", "adaloss",
-    "grad", "is_scaled_grad", "unscale_tree", "value_and_grad",
+    "grad", "is_scaled_grad", "unscale_tree", "value_and_grad", "LayerUnderflow", "layer_cotangents",
+    "measure_underflow",
 ]

@@ -57,6 +57,15 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     ``capture_cotangents=True`` (with ``return_report``) also puts each layer's
     incoming cotangent in ``report.cotangents``, for underflow measurements.
     """
+    return _value_and_grad(fun, argnums, has_aux, config, allow_int, return_report, capture_cotangents,
+                           adaptive=True)
+
+
+def _value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool,
+                    config: AdaLossConfig | None, allow_int: bool, return_report: bool,
+                    capture_cotangents: bool, adaptive: bool) -> Callable[..., Any]:
+    """:func:`value_and_grad`; ``adaptive=False`` scales by ``config.init_scale`` only
+    (a global loss scale, for measurements)."""
     config = AdaLossConfig() if config is None else config
     if not isinstance(config, AdaLossConfig):
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
@@ -112,7 +121,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         outs, cts, report = scaled_backward(closed, dyn_vals, names, config, cache,
-                                             capture_cotangents)
+                                             capture_cotangents, adaptive)
         value = outs[0]
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
 

@@ -203,10 +203,11 @@ class _Sweep:
     """Reverse sweep over a ``_Tape``: cotangents with the scales they carry."""
 
     def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
-                 capture: bool = False) -> None:
+                 capture: bool = False, adaptive: bool = True) -> None:
         self.tape, self.config = tape, config
-        self.capture = capture
+        self.capture, self.adaptive = capture, adaptive
         self.captured: dict[str, Any] = {}
+        self.captured_scales: dict[str, Any] = {}
         self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
         self.layers: dict[str, LayerReport] = {}
         self.model_scales: dict[str, Any] = {}
@@ -252,9 +253,12 @@ class _Sweep:
                 scale = present[0][1]
             out_cts = [g[0] if g is not None else _zero_ct(self.tape.values[s])
                        for g, s in zip(got, node.outs)]
-            if node.kind == "layer":
+            if node.kind != "op" and self.capture:
+                self.captured[node.name] = out_cts[0]
+                self.captured_scales[node.name] = scale
+            if node.kind == "layer" and self.adaptive:
                 self._layer(node, out_cts[0], scale)
-            elif node.kind == "cast":
+            elif node.kind == "cast" and self.adaptive:
                 self._cast(node, out_cts[0], scale)
             else:
                 for pos, ct in zip(node.diff, node.vjp(out_cts)):
@@ -268,8 +272,6 @@ class _Sweep:
 
     def _layer(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
-        if self.capture:
-            self.captured[node.name] = g
         g_stats = solver.tensor_stats(g, jnp)
         w_stats = None if cfg.model == "gradient" else solver.tensor_stats(node.weight, jnp)
         sigma = solver.model_sigma(cfg, g_stats, w_stats, node.fan_in, jnp)
@@ -287,8 +289,6 @@ class _Sweep:
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
-        if self.capture:
-            self.captured[node.name] = g
         ls = solver.log_stats(g, jnp)
         use = self._cached(node.name, solver.cast_scale(cfg, ls, incoming, jnp).model_scale)
         d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=use)
@@ -307,7 +307,8 @@ class _Sweep:
             unrounded_scale=d.unrounded)
 
     def report(self) -> BackwardReport:
-        return BackwardReport(self.layers, ScaleCache(self.step + 1, self.model_scales), self.captured)
+        return BackwardReport(self.layers, ScaleCache(self.step + 1, self.model_scales), self.captured,
+                              self.captured_scales)
 
 
 def _sum(xs: list[Any]) -> Any:
@@ -335,12 +336,13 @@ def _zero_ct(value: Any) -> Any:
 
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any],
                     diff_names: Sequence[str | None], config: AdaLossConfig,
-                    cache: ScaleCache | None, capture: bool = False
+                    cache: ScaleCache | None, capture: bool = False, adaptive: bool = True
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
     ``diff_names[i]`` names flat argument ``i`` if it is differentiated (``None``
-    otherwise); ``capture`` keeps each layer's incoming cotangent in the report.
+    otherwise); ``capture`` keeps each layer's incoming cotangent in the report;
+    ``adaptive=False`` applies no per-layer scale (one global scale: ``init_scale``).
     Returns the outputs, ``(cotangent, scale)`` (or ``None``: unused)
     per flat argument, and the report.
     """
@@ -349,7 +351,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any],
     consts = [tape.slot(c, _CONST, False) for c in jaxpr.consts]
     out_slots = tape.run(jaxpr.jaxpr, consts, in_slots)
     outs = [tape.values[s] for s in out_slots]
-    sweep = _Sweep(tape, config, cache, capture)
+    sweep = _Sweep(tape, config, cache, capture, adaptive)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))

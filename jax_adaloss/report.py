@@ -28,9 +28,11 @@ class BackwardReport(NamedTuple):
     arguments (``params/Dense_0/kernel``; ``…@1`` for a second use of the same
     weight); a narrowing cast ``cast:k`` (k-th in forward order). ``cotangents``
     holds each layer's incoming cotangent (as carried, i.e. multiplied by its
-    incoming scale) when requested with ``capture_cotangents=True``, else is empty.
+    incoming scale) when requested with ``capture_cotangents=True``, else is empty;
+    ``cotangent_scales`` the scale each of those carries.
     """
 
     layers: dict[str, LayerReport]
     cache: ScaleCache
     cotangents: dict[str, jax.Array]
+    cotangent_scales: dict[str, jax.Array]

@@ -22,6 +22,8 @@ from twin_models import PAIRS, flax_xent, load_flax, torch_name, torch_xent
 import jax_adaloss
 import torch_bridge
 from adaloss.config import AdaLossConfig
+from jax_adaloss.underflow import compare_cotangents as compare_jax
+from torch_bridge.underflow import compare_cotangents as compare_torch
 
 
 @dataclasses.dataclass
@@ -35,11 +37,6 @@ class StepRecord:
     skipped: bool
     loss: float
     order: list[str] = dataclasses.field(default_factory=list)  # layers in forward order
-
-
-def measured_underflow(low: np.ndarray, ref: np.ndarray) -> float:
-    """Fraction of entries that are zero in the fp16 backward but not in the fp32 one."""
-    return float(np.mean((np.asarray(low) == 0) & (np.asarray(ref) != 0)))
 
 
 def _data(name: str, step: int, seed: int) -> tuple[Any, Any, np.ndarray]:
@@ -64,16 +61,17 @@ def run_jax(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor
         return jax.jit(jax_adaloss.value_and_grad(functools.partial(loss, dt=dt), config=config,
                                                   return_report=True, capture_cotangents=True))
 
-    vg16, vg32 = vg(jnp.float16), vg(jnp.float32)
+    vg16 = vg(jnp.float16)
+    loss32 = functools.partial(loss, dt=jnp.float32)
     records = []
     for step in range(steps):
         x, _, y = _data(name, step, seed)
         (value, grads), rep = vg16(params, x, y)
-        _, rep32 = vg32(params, x, y)
+        ref = jax_adaloss.layer_cotangents(loss32, params, x, y, loss_scale=1.0, config=config)
         plain = jax_adaloss.unscale_tree(grads)
         finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(plain))
-        under = {torch_name(k): measured_underflow(c, rep32.cotangents[k])
-                 for k, c in rep.cotangents.items() if k in rep32.cotangents and not k.startswith("cast:")}
+        low = {k: (v, rep.cotangent_scales[k]) for k, v in rep.cotangents.items()}
+        under = {torch_name(k): u.measured for k, u in compare_jax(low, ref, config).items()}
         records.append(StepRecord(
             scale={torch_name(k): float(r.scale) for k, r in rep.layers.items()},
             unrounded={torch_name(k): float(r.unrounded_scale) for k, r in rep.layers.items()},
@@ -84,20 +82,22 @@ def run_jax(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor
     return records
 
 
+def _torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, factor: float) -> torch.Tensor:
+    return factor * torch_xent(model(x), y)
+
+
 def run_torch(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor: float,
               seed: int = 0) -> list[StepRecord]:
     model = PAIRS[name][1]()
     load_flax(model, init_params(name, seed))
     scaler = torch_bridge.AdaLossScaler(model, config, capture=True)
-    probe = torch_bridge.AdaLossScaler(model, config, capture=True)  # the fp32 backward
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     records = []
     for step in range(steps):
         _, x, y = _data(name, step, seed)
         y = torch.from_numpy(y.astype(np.int64))
-        opt.zero_grad()
-        probe.scale(loss_factor * torch_xent(model(x), y)).backward()
-        ref = probe.captured_cotangents()
+        ref = torch_bridge.layer_cotangents(model, functools.partial(_torch_loss, model, x, y, loss_factor),
+                                            loss_scale=1.0, config=config)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             value = loss_factor * torch_xent(model(x), y)
@@ -111,8 +111,7 @@ def run_torch(name: str, steps: int, config: AdaLossConfig, lr: float, loss_fact
             scale={k: float(r.scale) for k, r in reps.items()},
             unrounded={k: float(r.unrounded_scale) for k, r in reps.items()},
             incoming={k: float(r.incoming_scale) for k, r in reps.items()},
-            underflow={k: measured_underflow(c.float().numpy(), ref[k].numpy())
-                       for k, c in low.items() if k in ref and not k.startswith("cast:")},
+            underflow={k: u.measured for k, u in compare_torch(low, ref, config).items()},
             skipped=scaler.skipped_steps > skipped_before, loss=float(value.detach())))
     return records
 

@@ -8,8 +8,10 @@ importing it does not import JAX.
 """
 
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerReport
+from adaloss.report import LayerReport, LayerUnderflow
 from torch_bridge.graph import ScalePlan
 from torch_bridge.scaler import AdaLossScaler
+from torch_bridge.underflow import layer_cotangents, measure_underflow
 
-__all__ = ["AdaLossConfig", "AdaLossScaler", "LayerReport", "ScalePlan"]
+__all__ = ["AdaLossConfig", "AdaLossScaler", "LayerReport", "LayerUnderflow", "ScalePlan",
+           "layer_cotangents", "measure_underflow"]

@@ -77,6 +77,7 @@ class BackwardRecord:
     decisions: dict[str, _Decision]  # values of ``math``'s namespace
     leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
     captured: dict[str, torch.Tensor]
+    captured_scales: dict[str, torch.Tensor]
     model_scales: dict[str, torch.Tensor]
     spreads: dict[str, Any]  # σ or LogStats, of tensors
     math: ScalarMath = ON_TENSORS
@@ -169,7 +170,7 @@ class ScaledBackward:
                  on_done: Callable[[BackwardRecord], None], *, recompute: bool = True,
                  model_scales: dict[str, torch.Tensor] | None = None,
                  spreads: dict[str, Any] | None = None, capture: bool = False,
-                 host_math: bool = True) -> None:
+                 host_math: bool = True, adaptive: bool = True) -> None:
         self.plan, self.config = plan, config
         self.on_leaf, self.on_done = on_leaf, on_done
         self.recompute = recompute
@@ -177,6 +178,7 @@ class ScaledBackward:
         self.spreads = spreads or {}
         self.capture = capture
         self.host_math = host_math
+        self.adaptive = adaptive  # False: no per-layer scales, the seed (init_scale) only
         self.sm = ON_TENSORS
         self.handles: list[Any] = []
         self.leaf_handles: list[Any] = []
@@ -220,6 +222,7 @@ class ScaledBackward:
         self.model_scales: dict[str, torch.Tensor] = {}
         self.new_spreads: dict[str, Any] = {}
         self.captured: dict[str, torch.Tensor] = {}
+        self.captured_scales: dict[str, Any] = {}
         self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def remove(self) -> None:
@@ -237,6 +240,7 @@ class ScaledBackward:
                    for k, v in self.new_spreads.items()}
         return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
                               dict(self.leaf_scales), dict(self.captured),
+                              {k: conv(v) for k, v in self.captured_scales.items()},
                               {k: conv(v) for k, v in self.model_scales.items()}, spreads, self.sm)
 
     # -- hooks --------------------------------------------------------------------
@@ -248,7 +252,12 @@ class ScaledBackward:
             return None  # a backward of another graph through a shared node
         p = self.plan.order[i]
         self._merge_outputs(p, go)
-        if p.kind == "layer":
+        if p.kind != "op" and self.capture and go[0] is not None:
+            self.captured[p.name] = go[0]
+            self.captured_scales[p.name] = self.values[p.sym]
+        if p.kind != "op" and not self.adaptive:
+            self.values[p.send] = self.values[p.sym]
+        elif p.kind == "layer":
             self._layer(p, go)
         elif p.kind == "cast":
             self._cast(p, go)
@@ -353,8 +362,6 @@ class ScaledBackward:
             self.values[p.send] = incoming
             return
         cfg, sx = self.config, self.sm.xp
-        if self.capture:
-            self.captured[p.name] = g
         weight = None if cfg.model == "gradient" else getattr(self.plan.nodes[p.index], p.weight_attr)
         cached = self._cached(p.name)
         if cached is None or cached[1] is None:
@@ -383,8 +390,6 @@ class ScaledBackward:
             return
         cfg, sx = self.config, self.sm.xp
         g = go[present[0]]
-        if self.capture:
-            self.captured[p.name] = g
         cached = self._cached(p.name)
         if cached is None or cached[1] is None:
             ls = self._stats(log_stats(g))

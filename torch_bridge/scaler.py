@@ -271,10 +271,12 @@ class AdaLossScaler:
         """Per-layer scale decisions and statistics of the last backward (forward order)."""
         return {} if self._last is None else self._last.reports()
 
-    def captured_cotangents(self) -> dict[str, torch.Tensor]:
-        """Each layer's incoming cotangent in the last backward (``capture=True``), as carried
-        (multiplied by the layer's incoming scale)."""
-        return {} if self._last is None else dict(self._last.captured)
+    def captured_cotangents(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{layer: (incoming cotangent as carried, its scale)}`` of the last backward
+        (``capture=True``); see :func:`torch_bridge.underflow.compare_cotangents`."""
+        if self._last is None:
+            return {}
+        return {k: (v, self._last.captured_scales[k]) for k, v in self._last.captured.items()}
 
     # -- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""Measure gradient underflow per layer of a torch model: a low-precision backward
+against an fp32 one at the same weights (the counterpart of ``jax_adaloss.underflow``).
+
+``loss_low`` and ``loss_ref`` are callables that run the forward and return the
+loss, e.g. the model under ``torch.autocast`` and the same model in fp32. The
+parameters' ``.grad`` are left as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from adaloss import solver
+from adaloss.config import AdaLossConfig
+from adaloss.report import LayerUnderflow
+from torch_bridge._xp import xp
+from torch_bridge.graph import ScalePlan, parameter_names
+from torch_bridge.hooks import BackwardRecord, ScaledBackward, tensor_stats
+
+
+def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], *,
+                     loss_scale: float | None = None, config: AdaLossConfig | None = None
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer name: (incoming cotangent as carried, the scale it carries)}`` in
+    ``loss_fn()``'s backward (casts included, named ``cast:k``).
+
+    ``loss_scale=None``: adaptive per-layer scaling with ``config``; a number: one
+    global loss scale, no per-layer scales.
+    """
+    config = AdaLossConfig() if config is None else config
+    if loss_scale is not None:
+        if not loss_scale > 0:
+            raise ValueError(f"loss_scale must be a positive number (1: no scaling), got {loss_scale!r}")
+        config = dataclasses.replace(config, init_scale=float(loss_scale))
+    saved = {p: p.grad for p in model.parameters()}
+    try:
+        for p in saved:
+            p.grad = None
+        loss = loss_fn()
+        plan = ScalePlan(loss.grad_fn, parameter_names(model), cast_rule=config.cast_rule)
+        records: list[BackwardRecord] = []
+        sb = ScaledBackward(plan, config, lambda p, g, s: (g, s), records.append, capture=True,
+                            adaptive=loss_scale is None)
+        loss.backward()
+        del sb
+        rec = records[0]
+        return {k: (v, rec.captured_scales[k]) for k, v in rec.captured.items()}
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+
+
+def compare_cotangents(low: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                       ref: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                       config: AdaLossConfig) -> dict[str, LayerUnderflow]:
+    """Per layer present in both (casts left out): measured and predicted underflow.
+
+    ``ref``'s cotangents must be unscaled (carried scale 1)."""
+    out = {}
+    for name, (g, scale) in low.items():
+        if name.startswith("cast:") or name not in ref:
+            continue
+        r = ref[name][0]
+        sigma = torch.sqrt(solver.variance(tensor_stats(r), xp))
+        pred = solver.predicted_underflow(config, sigma, scale.to(torch.float32), torch.special.erf, xp)
+        out[name] = LayerUnderflow(measured=float(((g == 0) & (r != 0)).float().mean()),
+                                   predicted=float(pred), reference_zero=float((r == 0).float().mean()),
+                                   size=g.numel())
+    return out
+
+
+def measure_underflow(model: torch.nn.Module, loss_low: Callable[[], torch.Tensor],
+                      loss_ref: Callable[[], torch.Tensor], *, loss_scale: float | None = None,
+                      config: AdaLossConfig | None = None) -> dict[str, LayerUnderflow]:
+    """Per-layer underflow of ``loss_low()``'s backward against ``loss_ref()``'s.
+
+    ``loss_scale=None`` measures adaptive scaling (``config``); a number measures
+    one global loss scale (``1``: no scaling).
+    """
+    config = AdaLossConfig() if config is None else config
+    low = layer_cotangents(model, loss_low, loss_scale=loss_scale, config=config)
+    ref = layer_cotangents(model, loss_ref, loss_scale=1.0, config=config)
+    return compare_cotangents(low, ref, config)
+
+
+__all__ = ["LayerUnderflow", "compare_cotangents", "layer_cotangents", "measure_underflow"]
