@@ -10,6 +10,7 @@ zero in the first and non-zero in the second underflowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,13 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerUnderflow
 from jax_adaloss.api import _value_and_grad
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(fun: Callable[..., Any], argnums: int | tuple[int, ...], config: AdaLossConfig,
+            adaptive: bool) -> Callable[..., Any]:
+    """One compiled capturing backward per (function, argnums, config, mode)."""
+    return jax.jit(_value_and_grad(fun, argnums, False, config, False, True, True, adaptive=adaptive))
 
 
 def layer_cotangents(fun: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0,
@@ -37,8 +45,8 @@ def layer_cotangents(fun: Callable[..., Any], *args: Any, argnums: int | Sequenc
         if not loss_scale > 0:
             raise ValueError(f"loss_scale must be a positive number (1: no scaling), got {loss_scale!r}")
         config = dataclasses.replace(config, init_scale=float(loss_scale))
-    vg = _value_and_grad(fun, argnums, False, config, False, True, True, adaptive=loss_scale is None)
-    _, report = jax.jit(vg)(*args)
+    _, report = _jitted(fun, argnums if isinstance(argnums, int) else tuple(argnums), config,
+                        loss_scale is None)(*args)
     return {k: (v, report.cotangent_scales[k]) for k, v in report.cotangents.items()}
 
 

@@ -1,0 +1,117 @@
+"""``adaloss-study``: fp32 vs fp16 with no / static / dynamic / adaptive loss scaling.
+
+    adaloss-study                       # char GPT on Shakespeare, JAX, every method
+    adaloss-study --steps 100 --methods fp32 dynamic adaloss-product --seeds 3
+
+Prints a table (final train/val loss, val perplexity, skipped steps, per-layer
+measured underflow mean/max, step time) and writes ``study.json`` and PNG plots
+(loss curves, underflow over steps, per-layer scale heatmaps) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adaloss.config import AdaLossConfig
+from adaloss_study import corpus, jax_runner, plots
+from adaloss_study.jax_runner import METHODS, RunConfig, RunResult
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="adaloss-study", description=__doc__.splitlines()[0])
+    ap.add_argument("--framework", choices=["jax"], default="jax")
+    ap.add_argument("--task", choices=["shakespeare"], default="shakespeare")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--steps", type=int, default=RunConfig.steps)
+    ap.add_argument("--batch", type=int, default=RunConfig.batch)
+    ap.add_argument("--seq", type=int, default=RunConfig.seq)
+    ap.add_argument("--dim", type=int, default=RunConfig.dim)
+    ap.add_argument("--layers", type=int, default=RunConfig.layers)
+    ap.add_argument("--lr", type=float, default=RunConfig.lr)
+    ap.add_argument("--loss-factor", type=float, default=RunConfig.loss_factor,
+                    help="multiply the loss by this (small values make fp16 gradients underflow)")
+    ap.add_argument("--static-scale", type=float, default=RunConfig.static_scale)
+    ap.add_argument("--measure-every", type=int, default=RunConfig.measure_every,
+                    help="measure per-layer underflow every N steps (0: never)")
+    ap.add_argument("--seeds", type=int, default=1, help="repeat with N seeds; report mean ± std")
+    ap.add_argument("--u-min", type=float, default=None, help="AdaLossConfig.u_min override")
+    ap.add_argument("--accum-bound", type=float, default=None, help="AdaLossConfig.accum_bound")
+    ap.add_argument("--out", type=Path, default=Path("study_out"))
+    ap.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+def _summary(r: RunResult) -> dict[str, float]:
+    rates = [v for step in r.underflow.values() for v in step.values()]
+    return {"train_loss": float(np.mean(r.train_loss[-20:])), "val_loss": r.val_loss,
+            "val_ppl": r.val_ppl, "skipped": r.skipped,
+            "underflow_mean": float(np.mean(rates)) if rates else 0.0,
+            "underflow_max": float(np.max(rates)) if rates else 0.0, "step_ms": r.step_ms}
+
+
+def _table(rows: dict[str, list[dict[str, float]]]) -> str:
+    cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "step_ms"]
+    head = f"{'method':<18}" + "".join(f"{c:>18}" for c in cols)
+    lines = [head, "-" * len(head)]
+    for method, runs in rows.items():
+        cells = []
+        for c in cols:
+            vals = np.array([r[c] for r in runs], float)
+            fmt = ".2e" if c.startswith("underflow") else (".0f" if c == "skipped" else ".4f")
+            cell = f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else "")
+            cells.append(f"{cell:>18}")
+        lines.append(f"{method:<18}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.u_min is not None:
+        overrides["u_min"] = args.u_min
+    if args.accum_bound is not None:
+        overrides["accum_bound"] = args.accum_bound
+    base = RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
+                     lr=args.lr, loss_factor=args.loss_factor, static_scale=args.static_scale,
+                     measure_every=args.measure_every, adaloss=AdaLossConfig(**overrides))
+    text = corpus.load_corpus()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in args.methods}
+    first: dict[str, RunResult] = {}
+    for seed in range(args.seeds):
+        cfg = dataclasses.replace(base, seed=seed)
+        val_rng = np.random.default_rng(10_000 + seed)
+        val = [next(corpus.batches(text.val, cfg.seq, cfg.batch, val_rng)) for _ in range(cfg.eval_batches)]
+        for method in args.methods:
+            data = corpus.batches(text.train, cfg.seq, cfg.batch, np.random.default_rng(seed))
+            result = jax_runner.run(method, cfg, data, val, len(text.vocab))
+            rows[method].append(_summary(result))
+            first.setdefault(method, result)
+            print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "
+                  f"skipped {result.skipped}, {result.step_ms:.1f} ms/step", file=sys.stderr)
+    table = _table(rows)
+    print(f"\n{args.task}, {args.framework}, {args.steps} steps, batch {args.batch} x {args.seq}, "
+          f"loss factor {args.loss_factor:g}, {args.seeds} seed(s)\n{table}")
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "config": dataclasses.asdict(base), "summary": rows,
+              "runs": {m: dataclasses.asdict(r) for m, r in first.items()}}
+    (args.out / "study.json").write_text(json.dumps(record, indent=1, default=float))
+    if not args.no_plots:
+        plots.loss_curves(first, args.out / "loss.png", f"{args.task} ({args.framework})")
+        plots.underflow_over_steps(first, args.out / "underflow.png", base.adaloss.threshold)
+        for m, r in first.items():
+            if m.startswith("adaloss-"):
+                plots.scale_heatmap(r, args.out / f"scales_{m}.png")
+    print(f"\nwrote {args.out}/study.json" + ("" if args.no_plots else " and plots"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

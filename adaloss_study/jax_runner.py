@@ -1,0 +1,177 @@
+"""Train the study's char-level GPT in JAX under one precision/scaling method.
+
+Methods (the baselines are the libraries people use):
+
+- ``fp32``: fp32 compute, no scaling (the reference);
+- ``fp16``: fp16 compute, no loss scaling;
+- ``static``: ``jmp.StaticLossScale(2^k)``;
+- ``dynamic``: ``jmp.DynamicLossScale`` with GradScaler's defaults (2^16, ×2
+  every 2000 clean steps, ÷2 and skip on overflow);
+- ``adaloss-<model>``: :func:`jax_adaloss.value_and_grad` with the
+  ``product``/``output``/``gradient`` statistical model, ``adaloss(inner=adam)``.
+
+Every ``measure_every`` steps the per-layer underflow of the method's own
+backward is measured against an fp32 backward at the same weights
+(:mod:`jax_adaloss.underflow`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import jax_adaloss
+from adaloss.config import AdaLossConfig
+from adaloss_study.models import CharGPT
+from jax_adaloss.underflow import compare_cotangents
+
+METHODS = ("fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run's settings (shared by every method of a study)."""
+
+    steps: int = 300
+    batch: int = 16
+    seq: int = 64
+    dim: int = 64
+    heads: int = 4
+    layers: int = 2
+    lr: float = 3e-3
+    loss_factor: float = 1.0  # multiplies the loss (small values provoke underflow)
+    static_scale: float = 2.0**15
+    measure_every: int = 50
+    eval_batches: int = 8
+    seed: int = 0
+    adaloss: AdaLossConfig = AdaLossConfig()
+
+
+@dataclasses.dataclass
+class RunResult:
+    method: str
+    train_loss: list[float]  # per step, divided by loss_factor
+    val_loss: float
+    skipped: int
+    step_ms: float  # median
+    underflow: dict[int, dict[str, float]]  # step -> layer -> measured rate
+    predicted: dict[int, dict[str, float]]  # step -> layer -> predicted rate
+    scales: dict[int, dict[str, float]]  # step -> layer -> scale (adaloss) or {"global": S}
+
+    @property
+    def val_ppl(self) -> float:
+        return float(np.exp(self.val_loss))
+
+
+def _loss_fn(graphdef: Any, factor: float) -> Callable[..., jax.Array]:
+    def loss(params: Any, x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(x).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -scale * factor * jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
+    return loss
+
+
+def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray]],
+        val: list[tuple[np.ndarray, np.ndarray]], vocab: int, progress: bool = True) -> RunResult:
+    """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) batches."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    dtype = jnp.float32 if method == "fp32" else jnp.float16
+    model = CharGPT(vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq, dtype=dtype, rngs=nnx.Rngs(cfg.seed))
+    graphdef, params = nnx.split(model)
+    ref_graph, _ = nnx.split(CharGPT(vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq, dtype=jnp.float32,
+                                     rngs=nnx.Rngs(cfg.seed)))
+    loss = _loss_fn(graphdef, cfg.loss_factor)
+    ref_loss = _loss_fn(ref_graph, cfg.loss_factor)
+    adam = optax.adam(cfg.lr)
+    one = jnp.ones((), jnp.float32)
+    ada_cfg = None
+    if method.startswith("adaloss-"):
+        ada_cfg = dataclasses.replace(cfg.adaloss, model=method.split("-", 1)[1])
+        tx = jax_adaloss.adaloss(inner=adam)
+        vg = jax_adaloss.value_and_grad(loss, config=ada_cfg, return_report=True)
+
+        @jax.jit
+        def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+            (value, grads), report = vg(params, x, y, one)
+            updates, state = tx.update(grads, state, params)
+            scales = {k: r.scale for k, r in report.layers.items()}
+            return optax.apply_updates(params, updates), state, value, scales
+        state = tx.init(params)
+    else:
+        static = method == "static"
+        scale0 = jmp.StaticLossScale(jnp.float32(cfg.static_scale)) if static else (
+            jmp.DynamicLossScale(jnp.float32(2.0**16)) if method == "dynamic" else jmp.NoOpLossScale())
+
+        @jax.jit
+        def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+            opt_state, ls = state
+            value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, x, y, one)))(params)
+            grads = ls.unscale(grads)
+            finite = jmp.all_finite(grads)
+            updates, new_opt = adam.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
+            if isinstance(ls, jmp.DynamicLossScale):
+                ls = ls.adjust(finite)
+            scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else one
+            return params, (opt_state, ls), ls.unscale(value), {"global": jnp.asarray(scale, jnp.float32)}
+        state = (adam.init(params), scale0)
+
+    eval_loss = jax.jit(lambda p, x, y: loss(p, x, y, one))
+    capture_adaptive = functools.partial(jax_adaloss.layer_cotangents, loss, config=ada_cfg)
+    capture_global = functools.partial(jax_adaloss.layer_cotangents, loss, loss_scale=1.0,
+                                       config=cfg.adaloss)
+    capture_ref = functools.partial(jax_adaloss.layer_cotangents, ref_loss, loss_scale=1.0,
+                                    config=cfg.adaloss)
+
+    losses, times, skipped = [], [], 0
+    underflow: dict[int, dict[str, float]] = {}
+    predicted: dict[int, dict[str, float]] = {}
+    scales: dict[int, dict[str, float]] = {}
+    for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
+        x, y = next(data)
+        if method != "fp32" and cfg.measure_every and i % cfg.measure_every == 0:
+            if ada_cfg is not None:
+                low = capture_adaptive(params, x, y, one)
+            else:
+                current = state[1].loss_scale if method in ("static", "dynamic") else one
+                low = capture_global(params, x, y, jnp.asarray(current, jnp.float32))
+            ref = capture_ref(params, x, y, one)
+            got = compare_cotangents(low, ref, cfg.adaloss)
+            underflow[i] = {k: u.measured for k, u in got.items()}
+            predicted[i] = {k: u.predicted for k, u in got.items()}
+        t0 = time.perf_counter()
+        new_params, state, value, step_scales = step(params, state, x, y)
+        jax.block_until_ready(value)
+        times.append(time.perf_counter() - t0)
+        skipped += int(_skipped(method, state, params, new_params))
+        params = new_params
+        losses.append(float(value) / cfg.loss_factor)
+        if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
+            scales[i] = {k: float(v) for k, v in step_scales.items()}
+    val_loss = float(np.mean([float(eval_loss(params, x, y)) for x, y in val])) / cfg.loss_factor
+    if method.startswith("adaloss-"):
+        skipped = int(optax.tree.get(state, "skipped"))
+    return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
+                     underflow, predicted, scales)
+
+
+def _skipped(method: str, state: Any, old: Any, new: Any) -> bool:
+    """Global methods: a step was skipped when the parameters did not move."""
+    if method.startswith("adaloss-"):
+        return False  # counted by the transformation's state
+    leaves = zip(jax.tree_util.tree_leaves(old), jax.tree_util.tree_leaves(new))
+    return all(bool(jnp.array_equal(a, b)) for a, b in leaves)
