@@ -108,7 +108,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             (value, grads), report = vg(params, x, y, one)
             updates, state = tx.update(grads, state, params)
             scales = {k: r.scale for k, r in report.layers.items()}
-            return optax.apply_updates(params, updates), state, value, scales
+            return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
         state = tx.init(params)
     else:
         static = method == "static"
@@ -127,7 +127,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             if isinstance(ls, jmp.DynamicLossScale):
                 ls = ls.adjust(finite)
             scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else one
-            return params, (opt_state, ls), ls.unscale(value), {"global": jnp.asarray(scale, jnp.float32)}
+            return (params, (opt_state, ls), ls.unscale(value), {"global": jnp.asarray(scale, jnp.float32)},
+                    ~finite)
         state = (adam.init(params), scale0)
 
     eval_loss = jax.jit(lambda p, x, y: loss(p, x, y, one))
@@ -154,24 +155,15 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             underflow[i] = {k: u.measured for k, u in got.items()}
             predicted[i] = {k: u.predicted for k, u in got.items()}
         t0 = time.perf_counter()
-        new_params, state, value, step_scales = step(params, state, x, y)
+        params, state, value, step_scales, skip = step(params, state, x, y)
         jax.block_until_ready(value)
         times.append(time.perf_counter() - t0)
-        skipped += int(_skipped(method, state, params, new_params))
-        params = new_params
+        skipped += int(skip)
         losses.append(float(value) / cfg.loss_factor)
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
             scales[i] = {k: float(v) for k, v in step_scales.items()}
     val_loss = float(np.mean([float(eval_loss(params, x, y)) for x, y in val])) / cfg.loss_factor
     if method.startswith("adaloss-"):
-        skipped = int(optax.tree.get(state, "skipped"))
+        skipped = int(optax.tree.get(state, "skipped"))  # counted by the transformation
     return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
                      underflow, predicted, scales)
-
-
-def _skipped(method: str, state: Any, old: Any, new: Any) -> bool:
-    """Global methods: a step was skipped when the parameters did not move."""
-    if method.startswith("adaloss-"):
-        return False  # counted by the transformation's state
-    leaves = zip(jax.tree_util.tree_leaves(old), jax.tree_util.tree_leaves(new))
-    return all(bool(jnp.array_equal(a, b)) for a, b in leaves)
