@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--accum-bound", type=float, default=None, help="AdaLossConfig.accum_bound")
     ap.add_argument("--out", type=Path, default=Path("study_out"))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--gallery", action="store_true",
+                    help="run the failure-case gallery and write <out>/results.md (e.g. --out docs)")
     return ap
 
 
@@ -71,8 +73,8 @@ def _table(rows: dict[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def study(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every method (× seeds) of ``args``; print the table, write JSON (and plots) to ``args.out``."""
     overrides: dict[str, Any] = {}
     if args.u_min is not None:
         overrides["u_min"] = args.u_min
@@ -96,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             first.setdefault(method, result)
             print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "
                   f"skipped {result.skipped}, {result.step_ms:.1f} ms/step", file=sys.stderr)
-    table = _table(rows)
     print(f"\n{args.task}, {args.framework}, {args.steps} steps, batch {args.batch} x {args.seq}, "
-          f"loss factor {args.loss_factor:g}, {args.seeds} seed(s)\n{table}")
+          f"loss factor {args.loss_factor:g}, {args.seeds} seed(s)\n{_table(rows)}")
     record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "config": dataclasses.asdict(base), "summary": rows,
               "runs": {m: dataclasses.asdict(r) for m, r in first.items()}}
@@ -110,6 +111,18 @@ def main(argv: list[str] | None = None) -> int:
             if m.startswith("adaloss-"):
                 plots.scale_heatmap(r, args.out / f"scales_{m}.png")
     print(f"\nwrote {args.out}/study.json" + ("" if args.no_plots else " and plots"))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.gallery:
+        from adaloss_study import gallery
+
+        path = gallery.write_results(args.out, lambda extra: study(_parser().parse_args(extra)))
+        print(f"wrote {path}")
+        return 0
+    study(args)
     return 0
 
 

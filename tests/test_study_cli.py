@@ -21,3 +21,27 @@ def test_study_runs_every_output(tmp_path, capsys):
     assert any(k.startswith("cast:") for k in runs["adaloss-product"]["scales"]["0"])
     for name in ("loss.png", "underflow.png", "scales_adaloss-product.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+def test_gallery_writes_results_page(tmp_path):
+    from adaloss_study import gallery
+
+    argv = ("--steps", "2", "--measure-every", "1", "--methods", "fp32", "fp16", "--dim", "16",
+            "--layers", "1", "--seq", "16")
+    cases = (gallery.Case("tiny", "Tiny", argv, "Smoke."),)
+    path = gallery.write_results(tmp_path, lambda extra: cli.study(cli._parser().parse_args(extra)), cases)
+    page = path.read_text()
+    assert "## Tiny" in page and "adaloss-study --steps 2" in page
+    assert "| fp16 |" in page and "vs fp32" in page
+    assert (tmp_path / "tiny" / "loss.png").exists()
+
+
+def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import gpu_step_time
+
+    out = gpu_step_time.main(["--preset", "tiny", "--steps", "1", "--repeats", "1",
+                              "--json", str(tmp_path / "gpu.json")])
+    assert out["ratio"] > 0 and (tmp_path / "gpu.json").exists()
