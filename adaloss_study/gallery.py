@@ -76,9 +76,9 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
         parts += [f"## {case.title}", "", case.question, "",
                   f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
                   f"![loss]({rel / 'loss.png'}) ![underflow]({rel / 'underflow.png'})", ""]
-        heat = sorted(p.name for p in (out / case.name).glob("scales_*.png"))
-        if heat:
-            parts += [f"![{heat[0]}]({rel / heat[0]})", ""]
+        heat = out / case.name / "scales_adaloss-product.png"
+        if heat.exists():
+            parts += [f"![per-layer scales, adaloss-product]({rel / heat.name})", ""]
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
