@@ -26,7 +26,8 @@ from adaloss_study.jax_runner import METHODS, RunConfig, RunResult
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="adaloss-study", description=__doc__.splitlines()[0])
-    ap.add_argument("--framework", choices=["jax"], default="jax")
+    ap.add_argument("--framework", choices=["jax", "torch"], default="jax",
+                    help="jax: jax_adaloss, jmp; torch: torch_bridge, torch.amp.GradScaler")
     ap.add_argument("--task", choices=["shakespeare"], default="shakespeare")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
@@ -83,6 +84,10 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     base = RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
                      lr=args.lr, loss_factor=args.loss_factor, static_scale=args.static_scale,
                      measure_every=args.measure_every, adaloss=AdaLossConfig(**overrides))
+    if args.framework == "torch":
+        from adaloss_study import torch_runner as runner
+    else:
+        runner = jax_runner
     text = corpus.load_corpus()
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict[str, float]]] = {m: [] for m in args.methods}
@@ -93,7 +98,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         val = [next(corpus.batches(text.val, cfg.seq, cfg.batch, val_rng)) for _ in range(cfg.eval_batches)]
         for method in args.methods:
             data = corpus.batches(text.train, cfg.seq, cfg.batch, np.random.default_rng(seed))
-            result = jax_runner.run(method, cfg, data, val, len(text.vocab))
+            result = runner.run(method, cfg, data, val, len(text.vocab))
             rows[method].append(_summary(result))
             first.setdefault(method, result)
             print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "

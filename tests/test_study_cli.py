@@ -45,3 +45,16 @@ def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
     out = gpu_step_time.main(["--preset", "tiny", "--steps", "1", "--repeats", "1",
                               "--json", str(tmp_path / "gpu.json")])
     assert out["ratio"] > 0 and (tmp_path / "gpu.json").exists()
+
+
+def test_study_torch_framework(tmp_path, capsys):
+    out = tmp_path / "torch"
+    argv = ["--framework", "torch", "--steps", "3", "--measure-every", "2", "--methods", "fp32", "static",
+            "dynamic", "adaloss-product", "--dim", "32", "--layers", "1", "--seq", "32", "--no-plots",
+            "--out", str(out)]
+    assert cli.main(argv) == 0
+    runs = json.loads((out / "study.json").read_text())["runs"]
+    assert runs["dynamic"]["scales"]["0"]["global"] == 2.0**16
+    assert runs["static"]["scales"]["0"]["global"] == 2.0**15
+    assert "cast:0" in runs["adaloss-product"]["scales"]["0"]
+    assert set(runs["adaloss-product"]["underflow"]) == {"0", "2"}
