@@ -20,15 +20,17 @@ from typing import Any
 import numpy as np
 
 from adaloss.config import AdaLossConfig
-from adaloss_study import corpus, jax_runner, plots
+from adaloss_study import jax_runner, plots
 from adaloss_study.jax_runner import METHODS, RunConfig, RunResult
+from adaloss_study.tasks import TASKS
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="adaloss-study", description=__doc__.splitlines()[0])
     ap.add_argument("--framework", choices=["jax", "torch"], default="jax",
                     help="jax: jax_adaloss, jmp; torch: torch_bridge, torch.amp.GradScaler")
-    ap.add_argument("--task", choices=["shakespeare"], default="shakespeare")
+    ap.add_argument("--task", choices=["shakespeare", "digits"], default="shakespeare",
+                    help="shakespeare: char GPT; digits: small CNN on scikit-learn's 8x8 digits")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
     ap.add_argument("--batch", type=int, default=RunConfig.batch)
@@ -88,17 +90,16 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         from adaloss_study import torch_runner as runner
     else:
         runner = jax_runner
-    text = corpus.load_corpus()
+    task = TASKS[args.task](base)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict[str, float]]] = {m: [] for m in args.methods}
     first: dict[str, RunResult] = {}
     for seed in range(args.seeds):
         cfg = dataclasses.replace(base, seed=seed)
-        val_rng = np.random.default_rng(10_000 + seed)
-        val = [next(corpus.batches(text.val, cfg.seq, cfg.batch, val_rng)) for _ in range(cfg.eval_batches)]
+        val = task.val(seed)
+        make = task.torch_model if args.framework == "torch" else task.flax_model
         for method in args.methods:
-            data = corpus.batches(text.train, cfg.seq, cfg.batch, np.random.default_rng(seed))
-            result = runner.run(method, cfg, data, val, len(text.vocab))
+            result = runner.run(method, cfg, task.train(seed), val, make)
             rows[method].append(_summary(result))
             first.setdefault(method, result)
             print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "

@@ -34,7 +34,6 @@ from tqdm import tqdm
 
 import jax_adaloss
 from adaloss.config import AdaLossConfig
-from adaloss_study.models import CharGPT
 from jax_adaloss.underflow import compare_cotangents
 
 METHODS = ("fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient")
@@ -84,15 +83,15 @@ def _loss_fn(graphdef: Any, factor: float) -> Callable[..., jax.Array]:
 
 
 def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray]],
-        val: list[tuple[np.ndarray, np.ndarray]], vocab: int, progress: bool = True) -> RunResult:
-    """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) batches."""
+        val: list[tuple[np.ndarray, np.ndarray]], make_model: Callable[[Any, Any, int], Any],
+        progress: bool = True) -> RunResult:
+    """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) batches and
+    ``make_model(cfg, dtype, seed)`` builds the Flax nnx model."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     dtype = jnp.float32 if method == "fp32" else jnp.float16
-    model = CharGPT(vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq, dtype=dtype, rngs=nnx.Rngs(cfg.seed))
-    graphdef, params = nnx.split(model)
-    ref_graph, _ = nnx.split(CharGPT(vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq, dtype=jnp.float32,
-                                     rngs=nnx.Rngs(cfg.seed)))
+    graphdef, params = nnx.split(make_model(cfg, dtype, cfg.seed))
+    ref_graph, _ = nnx.split(make_model(cfg, jnp.float32, cfg.seed))
     loss = _loss_fn(graphdef, cfg.loss_factor)
     ref_loss = _loss_fn(ref_graph, cfg.loss_factor)
     adam = optax.adam(cfg.lr)

@@ -50,3 +50,16 @@ class CharGPT(nnx.Module):
         for block in self.blocks:
             h = block(h)
         return self.embed.attend(self.ln(h))
+
+
+class DigitsCNN(nnx.Module):
+    """Two 3x3 convolutions (the second strided) and a linear head, for 8x8 digits (NHWC)."""
+
+    def __init__(self, dtype: Any = jnp.float16, *, rngs: nnx.Rngs) -> None:
+        self.c1 = nnx.Conv(1, 16, (3, 3), padding=((1, 1), (1, 1)), dtype=dtype, rngs=rngs)
+        self.c2 = nnx.Conv(16, 32, (3, 3), strides=2, padding=((1, 1), (1, 1)), dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(4 * 4 * 32, 10, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.relu(self.c2(nnx.relu(self.c1(x))))
+        return self.head(x.reshape(x.shape[0], -1))

@@ -42,3 +42,17 @@ class CharGPT(nn.Module):
         for block in self.blocks:
             h = block(h)
         return F.linear(self.ln(h), self.embed.weight)  # tied output projection
+
+
+class DigitsCNN(nn.Module):
+    """The Flax ``DigitsCNN`` in torch (takes NHWC like the data, computes NCHW)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.head = nn.Linear(4 * 4 * 32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.c2(F.relu(self.c1(x.permute(0, 3, 1, 2)))))
+        return self.head(x.flatten(1))

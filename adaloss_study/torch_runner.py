@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,8 +28,13 @@ from tqdm import tqdm
 
 import torch_bridge
 from adaloss_study.jax_runner import METHODS, RunConfig, RunResult
-from adaloss_study.torch_models import CharGPT
 from torch_bridge.underflow import compare_cotangents
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """Integer arrays as int64 (indices, labels), float arrays as they are."""
+    a = np.asarray(a)
+    return torch.from_numpy(a.astype(np.int64) if a.dtype.kind in "iu" else a.copy())
 
 
 def _scaler(method: str, model: torch.nn.Module, cfg: RunConfig) -> Any:
@@ -45,12 +50,14 @@ def _scaler(method: str, model: torch.nn.Module, cfg: RunConfig) -> Any:
 
 
 def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray]],
-        val: list[tuple[np.ndarray, np.ndarray]], vocab: int, progress: bool = True) -> RunResult:
-    """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) int batches."""
+        val: list[tuple[np.ndarray, np.ndarray]], make_model: Callable[[RunConfig], torch.nn.Module],
+        progress: bool = True) -> RunResult:
+    """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) batches and
+    ``make_model(cfg)`` builds the module."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     torch.manual_seed(cfg.seed)
-    model = CharGPT(vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq)
+    model = make_model(cfg)
     opt = torch.optim.Adam(model.parameters(), cfg.lr)
     scaler = _scaler(method, model, cfg)
     low = method != "fp32"
@@ -59,7 +66,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
         ctx = torch.autocast("cpu", dtype=torch.float16) if autocast else contextlib.nullcontext()
         with ctx:
             logits = model(x)
-        return cfg.loss_factor * F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return cfg.loss_factor * F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     losses, times, skipped = [], [], 0
     underflow: dict[int, dict[str, float]] = {}
@@ -67,7 +74,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     scales: dict[int, dict[str, float]] = {}
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         xn, yn = next(data)
-        x, y = torch.from_numpy(np.asarray(xn, np.int64)), torch.from_numpy(np.asarray(yn, np.int64))
+        x, y = _tensor(xn), _tensor(yn)
         if low and cfg.measure_every and i % cfg.measure_every == 0:
             adaptive = isinstance(scaler, torch_bridge.AdaLossScaler)
             current = None if adaptive else (float(scaler.get_scale()) if scaler is not None else 1.0)
@@ -103,8 +110,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             else:
                 scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
     with torch.no_grad():
-        val_loss = float(np.mean([float(loss_of(torch.from_numpy(np.asarray(x, np.int64)),
-                                                torch.from_numpy(np.asarray(y, np.int64)), low))
-                                  for x, y in val])) / cfg.loss_factor
+        val_loss = float(np.mean([float(loss_of(_tensor(x), _tensor(y), low)) for x, y in val])
+                         ) / cfg.loss_factor
     return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
                      underflow, predicted, scales)

@@ -58,3 +58,15 @@ def test_study_torch_framework(tmp_path, capsys):
     assert runs["static"]["scales"]["0"]["global"] == 2.0**15
     assert "cast:0" in runs["adaloss-product"]["scales"]["0"]
     assert set(runs["adaloss-product"]["underflow"]) == {"0", "2"}
+
+
+def test_study_digits_task_both_frameworks(tmp_path):
+    for framework in ("jax", "torch"):
+        out = tmp_path / framework
+        argv = ["--task", "digits", "--framework", framework, "--steps", "3", "--batch", "8",
+                "--measure-every", "2", "--methods", "fp32", "adaloss-gradient", "--no-plots",
+                "--out", str(out)]
+        assert cli.main(argv) == 0
+        runs = json.loads((out / "study.json").read_text())["runs"]
+        assert len(runs["adaloss-gradient"]["train_loss"]) == 3
+        assert runs["adaloss-gradient"]["underflow"]  # measured at steps 0 and 2
