@@ -70,3 +70,16 @@ def test_study_digits_task_both_frameworks(tmp_path):
         runs = json.loads((out / "study.json").read_text())["runs"]
         assert len(runs["adaloss-gradient"]["train_loss"]) == 3
         assert runs["adaloss-gradient"]["underflow"]  # measured at steps 0 and 2
+
+
+def test_which_model_section_is_computed_from_the_records():
+    from adaloss_study import gallery
+
+    def summary(product, output, gradient):
+        return {m: [{"val_loss": 2.0, "underflow_mean": u}] for m, u in
+                zip(gallery.ADALOSS, (product, output, gradient))}
+    records = {"a": {"summary": summary(1e-4, 2e-4, 3e-4)}, "b": {"summary": summary(5e-4, 1e-4, 6e-4)},
+               "c": {"summary": summary(1e-5, 2e-5, 2e-5)}, "skip": {"summary": {"fp32": []}}}
+    text = "\n".join(gallery._which_model(records))
+    assert "adaloss-product in 2 of 3" in text and "adaloss-output in 1 of 3" in text
+    assert "Default: `product`" in text
