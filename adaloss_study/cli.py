@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--gallery", action="store_true",
                     help="run the failure-case gallery and write <out>/results.md (e.g. --out docs)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --gallery: read the cases' existing study.json instead of rerunning")
     return ap
 
 
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gallery:
         from adaloss_study import gallery
 
-        path = gallery.write_results(args.out, lambda extra: study(_parser().parse_args(extra)))
+        path = gallery.write_results(args.out, lambda extra: study(_parser().parse_args(extra)),
+                                     reuse=args.reuse)
         print(f"wrote {path}")
         return 0
     study(args)

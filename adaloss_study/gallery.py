@@ -7,6 +7,7 @@ produced by ``adaloss-study`` runs; each section shows the command that regenera
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -73,8 +74,11 @@ def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str
 
 
 def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
-                  cases: tuple[Case, ...] = CASES) -> Path:
-    """Run ``cases`` (``run(argv)`` is the study) into ``out/<case>/`` and write ``out/results.md``."""
+                  cases: tuple[Case, ...] = CASES, reuse: bool = False) -> Path:
+    """Run ``cases`` (``run(argv)`` is the study) into ``out/<case>/`` and write ``out/results.md``.
+
+    ``reuse``: a case whose ``study.json`` exists (from the same command) is read, not rerun.
+    """
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}
     parts = ["# Results", "",
@@ -85,7 +89,12 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
              "but not in fp32 at the same weights, measured every 50 steps.", ""]
     for case in cases:
         argv = [*case.argv, "--out", str(out / case.name)]
-        record = records[case.name] = run(argv)
+        saved = out / case.name / "study.json"
+        if reuse and saved.exists():
+            record = json.loads(saved.read_text())
+        else:
+            record = run(argv)
+        records[case.name] = record
         rel = Path(case.name)
         parts += [f"## {case.title}", "", case.question, "",
                   f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
@@ -101,23 +110,29 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
 
 def _which_model(records: dict[str, dict[str, Any]]) -> list[str]:
     """The three statistical models side by side over the cases that ran all three."""
-    rows, lowest, spread = [], {m: 0 for m in ADALOSS}, 0.0
+    rows, wins, ties, spread = [], {m: 0 for m in ADALOSS}, 0, 0.0
     for name, record in records.items():
         summary = record["summary"]
         if not all(m in summary for m in ADALOSS):
             continue
         under = {m: float(np.mean([r["underflow_mean"] for r in summary[m]])) for m in ADALOSS}
         val = {m: float(np.mean([r["val_loss"] for r in summary[m]])) for m in ADALOSS}
-        lowest[min(under, key=under.get)] += 1
+        best = min(under.values())
+        leaders = [m for m in ADALOSS if under[m] == best]
+        if len(leaders) == 1:
+            wins[leaders[0]] += 1
+        else:
+            ties += 1
         spread = max(spread, 100 * (max(val.values()) / min(val.values()) - 1))
         rows.append(f"| {name} | " + " | ".join(f"{val[m]:.4f} / {under[m]:.2e}" for m in ADALOSS) + " |")
     if not rows:
         return []
-    best = max(lowest, key=lowest.get)
+    best_model = max(wins, key=wins.get)
     return ["## Which statistical model", "",
             "Val loss / mean measured underflow of the three models, per case:", "",
             "| case | " + " | ".join(ADALOSS) + " |", "|---|---|---|---|", *rows, "",
-            "Lowest mean underflow: " + ", ".join(f"{m} in {k} of {len(rows)}" for m, k in lowest.items())
-            + f". The three val losses differ by at most {spread:.2f}% in any case.", "",
-            f"Default: `{best.split('-', 1)[1]}`, the model with the lowest measured underflow most often "
-            "at the same loss and cost.", ""]
+            "Strictly lowest mean underflow: " + ", ".join(f"{m} in {k}" for m, k in wins.items())
+            + f" of {len(rows)} cases; tied in {ties}. The three val losses differ by at most "
+            f"{spread:.2f}% in any case.", "",
+            f"Default: `{best_model.split('-', 1)[1]}`: where the models differ at all, it leaves the "
+            "least underflow, at the same loss and cost.", ""]

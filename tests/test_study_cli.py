@@ -35,6 +35,10 @@ def test_gallery_writes_results_page(tmp_path):
     assert "| fp16 |" in page and "vs fp32" in page
     assert (tmp_path / "tiny" / "loss.png").exists()
 
+    def no_rerun(extra):
+        raise AssertionError("reran a case")
+    assert gallery.write_results(tmp_path, no_rerun, cases, reuse=True).read_text() == page
+
 
 def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
     import os
@@ -79,7 +83,7 @@ def test_which_model_section_is_computed_from_the_records():
         return {m: [{"val_loss": 2.0, "underflow_mean": u}] for m, u in
                 zip(gallery.ADALOSS, (product, output, gradient))}
     records = {"a": {"summary": summary(1e-4, 2e-4, 3e-4)}, "b": {"summary": summary(5e-4, 1e-4, 6e-4)},
-               "c": {"summary": summary(1e-5, 2e-5, 2e-5)}, "skip": {"summary": {"fp32": []}}}
+               "c": {"summary": summary(1e-5, 1e-5, 2e-5)}, "skip": {"summary": {"fp32": []}}}
     text = "\n".join(gallery._which_model(records))
-    assert "adaloss-product in 2 of 3" in text and "adaloss-output in 1 of 3" in text
+    assert "adaloss-product in 1, adaloss-output in 1, adaloss-gradient in 0 of 3 cases; tied in 1" in text
     assert "Default: `product`" in text
