@@ -65,16 +65,17 @@ def _summary(r: RunResult) -> dict[str, float]:
 
 def _table(rows: dict[str, list[dict[str, float]]]) -> str:
     cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "step_ms"]
-    head = f"{'method':<18}" + "".join(f"{c:>18}" for c in cols)
-    lines = [head, "-" * len(head)]
+    cells: dict[str, list[str]] = {}
     for method, runs in rows.items():
-        cells = []
+        cells[method] = []
         for c in cols:
             vals = np.array([r[c] for r in runs], float)
             fmt = ".2e" if c.startswith("underflow") else (".0f" if c == "skipped" else ".4f")
-            cell = f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else "")
-            cells.append(f"{cell:>18}")
-        lines.append(f"{method:<18}" + "".join(cells))
+            cells[method].append(f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else ""))
+    width = max([len(c) for c in cols] + [len(x) for row in cells.values() for x in row]) + 2
+    head = f"{'method':<18}" + "".join(f"{c:>{width}}" for c in cols)
+    lines = [head, "-" * len(head)]
+    lines += [f"{m:<18}" + "".join(f"{x:>{width}}" for x in row) for m, row in cells.items()]
     return "\n".join(lines)
 
 

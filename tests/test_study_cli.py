@@ -87,3 +87,11 @@ def test_which_model_section_is_computed_from_the_records():
     text = "\n".join(gallery._which_model(records))
     assert "adaloss-product in 1, adaloss-output in 1, adaloss-gradient in 0 of 3 cases; tied in 1" in text
     assert "Default: `product`" in text
+
+
+def test_table_reports_mean_and_std_over_seeds():
+    runs = [{"train_loss": 1.0, "val_loss": v, "val_ppl": 3.0, "skipped": 0, "underflow_mean": 1e-3,
+             "underflow_max": 2e-3, "step_ms": 10.0} for v in (2.0, 2.5)]
+    lines = cli._table({"fp32": runs}).splitlines()
+    assert "2.2500 ± 0.2500" in lines[2]
+    assert len(lines[0]) == len(lines[2])  # columns aligned
