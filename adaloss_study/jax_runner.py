@@ -68,6 +68,8 @@ class RunResult:
     underflow: dict[int, dict[str, float]]  # step -> layer -> measured rate
     predicted: dict[int, dict[str, float]]  # step -> layer -> predicted rate
     scales: dict[int, dict[str, float]]  # step -> layer -> scale (adaloss) or {"global": S}
+    # step -> adaloss decisions whose scale a cap or bound set, below the statistical scale
+    limited: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def val_ppl(self) -> float:
@@ -107,6 +109,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             (value, grads), report = vg(params, x, y, one)
             updates, state = tx.update(grads, state, params)
             scales = {k: r.scale for k, r in report.layers.items()}
+            scales.update({f"{k}#limited": r.unrounded_scale < r.model_scale
+                           for k, r in report.layers.items()})
             return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
         state = tx.init(params)
     else:
@@ -141,6 +145,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     underflow: dict[int, dict[str, float]] = {}
     predicted: dict[int, dict[str, float]] = {}
     scales: dict[int, dict[str, float]] = {}
+    limited: dict[int, list[str]] = {}
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         x, y = next(data)
         if method != "fp32" and cfg.measure_every and i % cfg.measure_every == 0:
@@ -160,9 +165,11 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
         skipped += int(skip)
         losses.append(float(value) / cfg.loss_factor)
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
-            scales[i] = {k: float(v) for k, v in step_scales.items()}
+            scales[i] = {k: float(v) for k, v in step_scales.items() if not k.endswith("#limited")}
+            limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
+                                if k.endswith("#limited") and bool(v))
     val_loss = float(np.mean([float(eval_loss(params, x, y)) for x, y in val])) / cfg.loss_factor
     if method.startswith("adaloss-"):
         skipped = int(optax.tree.get(state, "skipped"))  # counted by the transformation
     return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
-                     underflow, predicted, scales)
+                     underflow, predicted, scales, limited)

@@ -72,6 +72,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     underflow: dict[int, dict[str, float]] = {}
     predicted: dict[int, dict[str, float]] = {}
     scales: dict[int, dict[str, float]] = {}
+    limited: dict[int, list[str]] = {}
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         xn, yn = next(data)
         x, y = _tensor(xn), _tensor(yn)
@@ -106,11 +107,14 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
         losses.append(float(loss.detach()) / cfg.loss_factor)
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
             if isinstance(scaler, torch_bridge.AdaLossScaler):
-                scales[i] = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
+                reports = scaler.layer_reports()
+                scales[i] = {k: float(r.scale) for k, r in reports.items()}
+                limited[i] = sorted(k for k, r in reports.items()
+                                    if float(r.unrounded_scale) < float(r.model_scale))
             else:
                 scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
     with torch.no_grad():
         val_loss = float(np.mean([float(loss_of(_tensor(x), _tensor(y), low)) for x, y in val])
                          ) / cfg.loss_factor
     return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
-                     underflow, predicted, scales)
+                     underflow, predicted, scales, limited)

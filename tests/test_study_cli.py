@@ -19,6 +19,8 @@ def test_study_runs_every_output(tmp_path, capsys):
     assert set(runs["fp16"]["underflow"]) == {"0", "2"}  # measured steps
     assert runs["dynamic"]["scales"]["0"]["global"] == 2.0**16
     assert any(k.startswith("cast:") for k in runs["adaloss-product"]["scales"]["0"])
+    limited = runs["adaloss-product"]["limited"]["0"]
+    assert isinstance(limited, list) and set(limited) <= set(runs["adaloss-product"]["scales"]["0"])
     for name in ("loss.png", "underflow.png", "scales_adaloss-product.png"):
         assert (out / name).stat().st_size > 10_000
 
@@ -62,6 +64,7 @@ def test_study_torch_framework(tmp_path, capsys):
     assert runs["static"]["scales"]["0"]["global"] == 2.0**15
     assert "cast:0" in runs["adaloss-product"]["scales"]["0"]
     assert set(runs["adaloss-product"]["underflow"]) == {"0", "2"}
+    assert set(runs["adaloss-product"]["limited"]["0"]) <= set(runs["adaloss-product"]["scales"]["0"])
 
 
 def test_study_digits_task_both_frameworks(tmp_path):
