@@ -147,7 +147,8 @@ def _post_hook(me: weakref.ref[ScaledBackward], i: int) -> Callable[[tuple[Any, 
     return hook
 
 
-def _u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
+def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
+    """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats."""
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
 
 
@@ -224,12 +225,6 @@ class ScaledBackward:
         self.captured: dict[str, torch.Tensor] = {}
         self.captured_scales: dict[str, Any] = {}
         self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        self._unhook_leaves()
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -323,7 +318,7 @@ class ScaledBackward:
         sx = self.sm.xp
         scales = [s for _, s in parts]
         absmax = [solver.absmax(self._stats(_min_max(t)), sx) for t, _ in parts]
-        target = solver.merge_scale(scales, absmax, _u_max(self.config, dtype), sx)
+        target = solver.merge_scale(scales, absmax, u_max(self.config, dtype), sx)
         return [self._rescale(t, target / s) for t, s in parts], target
 
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:

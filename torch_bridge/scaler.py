@@ -39,7 +39,7 @@ from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
-from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale
+from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
 
 _F32 = torch.float32
 
@@ -171,8 +171,7 @@ class AdaLossScaler:
         old = self._pending.get(id(param), (param, None))[1]
         old = torch.ones((), dtype=_F32, device=grad.device) if old is None else old
         absmax = [param.grad.abs().amax().to(_F32), grad.abs().amax().to(_F32)]
-        u_max = torch.finfo(grad.dtype).max if grad.dtype.itemsize > 2 else self._config.overflow_limit
-        target = solver.merge_scale([old, scale], absmax, u_max, xp)
+        target = solver.merge_scale([old, scale], absmax, u_max(self._config, grad.dtype), xp)
         with torch.no_grad():
             param.grad.copy_(rescale(param.grad, target / old))
         return rescale(grad, target / scale), target
