@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
+
+from adaloss.config import AdaLossConfig
 
 Array = Any  # a 0-d array of the caller's framework
 
@@ -53,3 +56,14 @@ class LayerUnderflow(NamedTuple):
     predicted: float
     reference_zero: float
     size: int
+
+
+def measurement_config(config: AdaLossConfig | None, loss_scale: float | None) -> AdaLossConfig:
+    """The config of an underflow measurement: ``config`` for adaptive scaling
+    (``loss_scale=None``), or ``config`` seeded with one global ``loss_scale``."""
+    config = AdaLossConfig() if config is None else config
+    if loss_scale is None:
+        return config
+    if not loss_scale > 0:
+        raise ValueError(f"loss_scale must be a positive number (1: no scaling), got {loss_scale!r}")
+    return dataclasses.replace(config, init_scale=float(loss_scale))

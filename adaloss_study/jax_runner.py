@@ -60,20 +60,39 @@ class RunConfig:
 
 @dataclasses.dataclass
 class RunResult:
+    """One run's record, filled in as the run goes (both frameworks)."""
+
     method: str
-    train_loss: list[float]  # per step, divided by loss_factor
-    val_loss: float
-    skipped: int
-    step_ms: float  # median
-    underflow: dict[int, dict[str, float]]  # step -> layer -> measured rate
-    predicted: dict[int, dict[str, float]]  # step -> layer -> predicted rate
-    scales: dict[int, dict[str, float]]  # step -> layer -> scale (adaloss) or {"global": S}
+    train_loss: list[float] = dataclasses.field(default_factory=list)  # per step, ÷ loss_factor
+    val_loss: float = float("nan")
+    skipped: int = 0
+    step_ms: float = float("nan")  # median of step_seconds (the first, compiling, step left out)
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    underflow: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # step -> layer -> rate
+    predicted: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # step -> layer -> rate
+    # step -> layer -> scale (adaloss) or {"global": S}
+    scales: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     # step -> adaloss decisions whose scale a cap or bound set, below the statistical scale
     limited: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def val_ppl(self) -> float:
         return float(np.exp(self.val_loss))
+
+    def add_step(self, seconds: float, loss: float, skipped: bool) -> None:
+        self.step_seconds.append(seconds)
+        self.train_loss.append(loss)
+        self.skipped += int(skipped)
+
+    def add_underflow(self, step: int, got: dict[str, Any]) -> None:
+        """``got``: layer -> :class:`adaloss.report.LayerUnderflow`."""
+        self.underflow[step] = {k: u.measured for k, u in got.items()}
+        self.predicted[step] = {k: u.predicted for k, u in got.items()}
+
+    def finish(self, val_loss: float) -> RunResult:
+        self.val_loss = val_loss
+        self.step_ms = 1e3 * statistics.median(self.step_seconds[1:] or self.step_seconds)
+        return self
 
 
 def _loss_fn(graphdef: Any, factor: float) -> Callable[..., jax.Array]:
@@ -141,11 +160,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     capture_ref = functools.partial(jax_adaloss.layer_cotangents, ref_loss, loss_scale=1.0,
                                     config=cfg.adaloss)
 
-    losses, times, skipped = [], [], 0
-    underflow: dict[int, dict[str, float]] = {}
-    predicted: dict[int, dict[str, float]] = {}
-    scales: dict[int, dict[str, float]] = {}
-    limited: dict[int, list[str]] = {}
+    res = RunResult(method)
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         x, y = next(data)
         if method != "fp32" and cfg.measure_every and i % cfg.measure_every == 0:
@@ -156,20 +171,16 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
                 low = capture_global(params, x, y, jnp.asarray(current, jnp.float32))
             ref = capture_ref(params, x, y, one)
             got = compare_cotangents(low, ref, cfg.adaloss)
-            underflow[i] = {k: u.measured for k, u in got.items()}
-            predicted[i] = {k: u.predicted for k, u in got.items()}
+            res.add_underflow(i, got)
         t0 = time.perf_counter()
         params, state, value, step_scales, skip = step(params, state, x, y)
         jax.block_until_ready(value)
-        times.append(time.perf_counter() - t0)
-        skipped += int(skip)
-        losses.append(float(value) / cfg.loss_factor)
+        res.add_step(time.perf_counter() - t0, float(value) / cfg.loss_factor, bool(skip))
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
-            scales[i] = {k: float(v) for k, v in step_scales.items() if not k.endswith("#limited")}
-            limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
+            res.scales[i] = {k: float(v) for k, v in step_scales.items() if not k.endswith("#limited")}
+            res.limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
                                 if k.endswith("#limited") and bool(v))
     val_loss = float(np.mean([float(eval_loss(params, x, y)) for x, y in val])) / cfg.loss_factor
     if method.startswith("adaloss-"):
-        skipped = int(optax.tree.get(state, "skipped"))  # counted by the transformation
-    return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
-                     underflow, predicted, scales, limited)
+        res.skipped = int(optax.tree.get(state, "skipped"))  # counted by the transformation
+    return res.finish(val_loss)

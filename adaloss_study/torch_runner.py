@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,11 +67,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             logits = model(x)
         return cfg.loss_factor * F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    losses, times, skipped = [], [], 0
-    underflow: dict[int, dict[str, float]] = {}
-    predicted: dict[int, dict[str, float]] = {}
-    scales: dict[int, dict[str, float]] = {}
-    limited: dict[int, list[str]] = {}
+    res = RunResult(method)
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         xn, yn = next(data)
         x, y = _tensor(xn), _tensor(yn)
@@ -85,8 +80,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
                                               config=scaler.config if adaptive else cfg.adaloss),
                 torch_bridge.layer_cotangents(model, functools.partial(loss_of, x, y, False),
                                               loss_scale=1.0, config=cfg.adaloss), cfg.adaloss)
-            underflow[i] = {k: u.measured for k, u in got.items()}
-            predicted[i] = {k: u.predicted for k, u in got.items()}
+            res.add_underflow(i, got)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_of(x, y, low)
@@ -102,19 +96,16 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             scaler.update()
             skip = (scaler.skipped_steps > before) if before is not None else \
                 float(scaler.get_scale()) < scale_before
-        times.append(time.perf_counter() - t0)
-        skipped += int(skip)
-        losses.append(float(loss.detach()) / cfg.loss_factor)
+        res.add_step(time.perf_counter() - t0, float(loss.detach()) / cfg.loss_factor, bool(skip))
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
             if isinstance(scaler, torch_bridge.AdaLossScaler):
                 reports = scaler.layer_reports()
-                scales[i] = {k: float(r.scale) for k, r in reports.items()}
-                limited[i] = sorted(k for k, r in reports.items()
+                res.scales[i] = {k: float(r.scale) for k, r in reports.items()}
+                res.limited[i] = sorted(k for k, r in reports.items()
                                     if float(r.unrounded_scale) < float(r.model_scale))
             else:
-                scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
+                res.scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
     with torch.no_grad():
         val_loss = float(np.mean([float(loss_of(_tensor(x), _tensor(y), low)) for x, y in val])
                          ) / cfg.loss_factor
-    return RunResult(method, losses, val_loss, skipped, 1e3 * statistics.median(times[1:] or times),
-                     underflow, predicted, scales, limited)
+    return res.finish(val_loss)

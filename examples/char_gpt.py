@@ -102,19 +102,31 @@ def train(mode: str, steps: int, lr: float, loss_factor: float, seed: int = 0) -
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The examples' command line: steps, learning rate, loss factor."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--loss-factor", type=float, default=1e-4,
                     help="multiply the loss by this (small values make plain fp16 underflow)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def print_losses(runs: dict[str, dict[str, Any]], steps: int, loss_factor: float) -> None:
+    """The losses of every run side by side at ~10 steps."""
+    width = max(14, *(len(m) + 2 for m in runs))
+    print(f"\nloss (÷ loss factor {loss_factor:g}), {steps} steps of batch 16 × 64 chars")
+    print(f"{'step':>6} " + " ".join(f"{m:>{width}}" for m in runs))
+    every = max(1, steps // 10)
+    for i in sorted({0, *range(every, steps, every), steps - 1}):
+        print(f"{i:>6} " + " ".join(f"{runs[m]['losses'][i]:>{width}.4f}" for m in runs))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     runs = {m: train(m, args.steps, args.lr, args.loss_factor)
             for m in ("fp32", "fp16", "fp16+adaloss")}
-    print(f"\nloss (÷ loss factor {args.loss_factor:g}), {args.steps} steps of batch 16 × 64 chars")
-    print(f"{'step':>6} " + " ".join(f"{m:>14}" for m in runs))
-    for i in sorted({0, *range(args.steps // 10, args.steps, args.steps // 10), args.steps - 1}):
-        print(f"{i:>6} " + " ".join(f"{runs[m]['losses'][i]:>14.4f}" for m in runs))
+    print_losses(runs, args.steps, args.loss_factor)
     ada = runs["fp16+adaloss"]
     print(f"\nskipped steps (adaloss): {ada['skipped']}")
     print("per-layer scales of the last step (scale applied / scale carried after);"

@@ -11,7 +11,6 @@ line that changes is the scaler's constructor).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -28,7 +27,7 @@ import torch_bridge
 from adaloss_study.torch_models import CharGPT
 
 sys.path.insert(0, os.path.dirname(__file__))
-from char_gpt import TEXT  # noqa: E402
+from char_gpt import TEXT, parse_args, print_losses  # noqa: E402
 
 
 def batches(text: str, seq: int, batch: int, seed: int):
@@ -92,18 +91,9 @@ def train(mode: str, steps: int, lr: float, loss_factor: float, seed: int = 0) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--loss-factor", type=float, default=1e-4,
-                    help="multiply the loss by this (small values make plain fp16 underflow)")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, argv)
     runs = {m: train(m, args.steps, args.lr, args.loss_factor) for m in MODES}
-    print(f"\nloss (÷ loss factor {args.loss_factor:g}), {args.steps} steps of batch 16 × 64 chars")
-    print(f"{'step':>6} " + " ".join(f"{m:>16}" for m in runs))
-    for i in sorted({0, *range(max(1, args.steps // 10), args.steps, max(1, args.steps // 10)),
-                     args.steps - 1}):
-        print(f"{i:>6} " + " ".join(f"{runs[m]['losses'][i]:>16.4f}" for m in runs))
+    print_losses(runs, args.steps, args.loss_factor)
     print(f"\nskipped steps (adaloss): {runs['fp16+adaloss']['skipped']}; "
           f"GradScaler's final scale: {runs['fp16+GradScaler']['scale']:g}")
     print("wall time: " + ", ".join(f"{m} {r['seconds']:.1f}s" for m, r in runs.items()))

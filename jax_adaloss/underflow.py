@@ -9,7 +9,6 @@ zero in the first and non-zero in the second underflowed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerUnderflow
+from adaloss.report import LayerUnderflow, measurement_config
 from jax_adaloss.api import _value_and_grad
 
 
@@ -40,11 +39,7 @@ def layer_cotangents(fun: Callable[..., Any], *args: Any, argnums: int | Sequenc
     ``loss_scale=None``: adaptive per-layer scaling with ``config``; a number: one
     global loss scale (the seed of the backward), no per-layer scales.
     """
-    config = AdaLossConfig() if config is None else config
-    if loss_scale is not None:
-        if not loss_scale > 0:
-            raise ValueError(f"loss_scale must be a positive number (1: no scaling), got {loss_scale!r}")
-        config = dataclasses.replace(config, init_scale=float(loss_scale))
+    config = measurement_config(config, loss_scale)
     _, report = _jitted(fun, argnums if isinstance(argnums, int) else tuple(argnums), config,
                         loss_scale is None)(*args)
     return {k: (v, report.cotangent_scales[k]) for k, v in report.cotangents.items()}

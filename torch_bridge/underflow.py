@@ -8,14 +8,13 @@ parameters' ``.grad`` are left as they were.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerUnderflow
+from adaloss.report import LayerUnderflow, measurement_config
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, tensor_stats
@@ -30,11 +29,7 @@ def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]
     ``loss_scale=None``: adaptive per-layer scaling with ``config``; a number: one
     global loss scale, no per-layer scales.
     """
-    config = AdaLossConfig() if config is None else config
-    if loss_scale is not None:
-        if not loss_scale > 0:
-            raise ValueError(f"loss_scale must be a positive number (1: no scaling), got {loss_scale!r}")
-        config = dataclasses.replace(config, init_scale=float(loss_scale))
+    config = measurement_config(config, loss_scale)
     saved = {p: p.grad for p in model.parameters()}
     try:
         for p in saved:
