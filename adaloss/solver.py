@@ -39,11 +39,12 @@ class TensorStats(NamedTuple):
     """fp32 statistics of a tensor over all entries, zeros included.
 
     ``mean`` may be ``None`` where the statistical model does not use it (the
-    ``product``/``output`` models need only ``E[x²]``), to save a reduction.
+    ``product``/``output`` models need only ``E[x²]``), to save a reduction;
+    both moments are ``None`` where only the overflow caps are computed.
     """
 
     mean: Array | None
-    sq_mean: Array  # E[x²] = variance + mean²
+    sq_mean: Array | None  # E[x²] = variance + mean²
     min: Array
     max: Array
 
@@ -76,6 +77,12 @@ def tensor_stats(x: Array, xp: Any) -> TensorStats:
     """Mean, mean square, min and max of ``x`` in fp32."""
     x = _f32(x, xp)
     return TensorStats(xp.mean(x), xp.mean(x * x), xp.min(x), xp.max(x))
+
+
+def extrema(x: Array, xp: Any) -> TensorStats:
+    """Only the min and max of ``x`` (all the overflow caps need), in fp32."""
+    x = _f32(x, xp)
+    return TensorStats(None, None, xp.min(x), xp.max(x))
 
 
 def variance(t: TensorStats, xp: Any) -> Array:
@@ -191,18 +198,20 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     return _decide(config, s_model, cap, incoming, sigma, xp)
 
 
+def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any) -> Array:
+    """Step 7's statistical scale: ``u_min / exp(μ_ln + z·σ_ln)``, at least 1 (1 if all zero)."""
+    log_s = (xp.log(xp.asarray(config.underflow_limit, dtype=xp.float32))
+             - ls.mean - ls.std * config.z_lower)
+    return _at_least_one(xp.where(ls.count > 0, xp.exp(log_s), xp.ones_like(log_s)), xp)
+
+
 def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
                cached_model_scale: Array | None = None) -> LayerScale:
     """Scale for a cotangent about to be narrowed to the gradient format (log-normal model).
 
     ``sigma`` in the result is σ_ln; an all-zero cotangent gives scale 1.
     """
-    if cached_model_scale is None:
-        log_s = (xp.log(xp.asarray(config.underflow_limit, dtype=xp.float32))
-                 - ls.mean - ls.std * config.z_lower)
-        s_model = _at_least_one(xp.where(ls.count > 0, xp.exp(log_s), xp.ones_like(log_s)), xp)
-    else:
-        s_model = cached_model_scale
+    s_model = cast_model_scale(config, ls, xp) if cached_model_scale is None else cached_model_scale
     cap = _cap(config.overflow_limit, ls.absmax, xp)
     return _decide(config, s_model, cap, incoming, ls.std, xp)
 
@@ -214,17 +223,16 @@ def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float
     ``M = max_b(max|g_b| / s_b)``; over the branch scales, largest first, take
     the first ``S`` with ``M·S < u_max``; if none fits, halve the smallest
     scale (down to 1/8 of it) until one does (1/8 of it if none does).
+
+    The candidates are scanned largest first and "fits" is monotone in ``S``,
+    so the pick is the largest fitting candidate: a masked max, no sort.
     """
     s = xp.stack([_f32(x, xp) for x in scales])
     m = xp.max(xp.stack([_f32(a, xp) for a in absmaxes]) / s)
     smallest = xp.min(s)
-    candidates = xp.concat([
-        xp.flip(xp.sort(s)),
-        xp.stack([smallest * 0.5, smallest * 0.25, smallest * 0.125]),
-    ])
-    fits = candidates * m < u_max
-    first = xp.argmax(xp.astype(fits, xp.int32))
-    return xp.where(xp.any(fits), xp.take(candidates, xp.reshape(first, (1,)))[0], smallest * 0.125)
+    candidates = xp.concat([s, xp.stack([smallest * 0.5, smallest * 0.25, smallest * 0.125])])
+    best = xp.max(xp.where(candidates * m < u_max, candidates, xp.zeros_like(candidates)))
+    return xp.where(best > 0, best, smallest * 0.125)
 
 
 def predicted_underflow(config: AdaLossConfig, sigma: Array, scale: Array,

@@ -2,6 +2,7 @@
 
     adaloss-study                       # char GPT on Shakespeare, JAX, every method
     adaloss-study --steps 100 --methods fp32 dynamic adaloss-product --seeds 3
+    adaloss-study --overhead            # step-time ratio adaloss / dynamic scaling
 
 Prints a table (final train/val loss, val perplexity, skipped steps, per-layer
 measured underflow mean/max, step time) and writes ``study.json`` and PNG plots
@@ -46,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", type=int, default=1, help="repeat with N seeds; report mean ± std")
     ap.add_argument("--u-min", type=float, default=None, help="AdaLossConfig.u_min override")
     ap.add_argument("--accum-bound", type=float, default=None, help="AdaLossConfig.accum_bound")
+    ap.add_argument("--layer-bound", type=float, default=None, help="AdaLossConfig.layer_bound")
+    ap.add_argument("--update-every", type=int, default=None, help="AdaLossConfig.update_every")
+    ap.add_argument("--overhead", action="store_true",
+                    help="time fp16, dynamic and adaloss-product alternately on the task's model "
+                         "(--repeats rounds of --steps steps) and write <out>/overhead.json")
+    ap.add_argument("--repeats", type=int, default=7, help="with --overhead: timed rounds per method")
     ap.add_argument("--out", type=Path, default=Path("study_out"))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--gallery", action="store_true",
@@ -79,16 +86,36 @@ def _table(rows: dict[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def study(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every method (× seeds) of ``args``; print the table, write JSON (and plots) to ``args.out``."""
-    overrides: dict[str, Any] = {}
-    if args.u_min is not None:
-        overrides["u_min"] = args.u_min
-    if args.accum_bound is not None:
-        overrides["accum_bound"] = args.accum_bound
-    base = RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    overrides = {k: getattr(args, k) for k in ("u_min", "accum_bound", "layer_bound", "update_every")
+                 if getattr(args, k) is not None}
+    return RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
                      lr=args.lr, loss_factor=args.loss_factor, static_scale=args.static_scale,
                      measure_every=args.measure_every, adaloss=AdaLossConfig(**overrides))
+
+
+def _args_record(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Step-time overhead (:mod:`adaloss_study.overhead`); prints a table, writes ``overhead.json``."""
+    from adaloss_study import overhead as oh
+
+    base = _run_config(args)
+    result = oh.measure(args.framework, base, TASKS[args.task](base), repeats=args.repeats,
+                        steps=min(args.steps, 30))
+    result["args"] = _args_record(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.task}, {args.framework}, {result['parameters']} parameters, {result['machine']}\n"
+          f"{oh.table(result)}\nwrote {args.out}/overhead.json")
+    return result
+
+
+def study(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every method (× seeds) of ``args``; print the table, write JSON (and plots) to ``args.out``."""
+    base = _run_config(args)
     if args.framework == "torch":
         from adaloss_study import torch_runner as runner
     else:
@@ -109,7 +136,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
                   f"skipped {result.skipped}, {result.step_ms:.1f} ms/step", file=sys.stderr)
     print(f"\n{args.task}, {args.framework}, {args.steps} steps, batch {args.batch} x {args.seq}, "
           f"loss factor {args.loss_factor:g}, {args.seeds} seed(s)\n{_table(rows)}")
-    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    record = {"args": _args_record(args),
               "config": dataclasses.asdict(base), "summary": rows,
               "runs": {m: dataclasses.asdict(r) for m, r in first.items()}}
     (args.out / "study.json").write_text(json.dumps(record, indent=1, default=float))
@@ -132,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                                      reuse=args.reuse)
         print(f"wrote {path}")
         return 0
-    study(args)
+    _dispatch(args)
     return 0
+
+
+def _dispatch(args: argparse.Namespace) -> dict[str, Any]:
+    return overhead(args) if args.overhead else study(args)
 
 
 if __name__ == "__main__":

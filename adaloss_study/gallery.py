@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from adaloss_study.overhead import table as overhead_table
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -26,24 +28,35 @@ class Case:
 
 ALL = ("fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient")
 CASES = (
-    Case("default", "Default run (loss ×1)", (),
+    Case("default", "Default run (loss ×1)", ("--seeds", "3"),
          "Does anything need scaling at the loss's natural magnitude?"),
-    Case("overflow", "Large loss (×1e3): a static scale overflows", ("--loss-factor", "1e3"),
+    Case("overflow", "Large loss (×1e3): a static scale overflows", ("--loss-factor", "1e3", "--seeds", "3"),
          "A loss scale chosen for typical losses overflows when the loss is large: static "
          "2^15 skips every step; dynamic loses its first steps while it backs off."),
-    Case("underflow", "Tiny loss (×1e-6): gradients underflow", ("--loss-factor", "1e-6"),
+    Case("underflow", "Tiny loss (×1e-6): gradients underflow", ("--loss-factor", "1e-6", "--seeds", "3"),
          "Gradients 10^6 smaller than usual: how much do 2^15 (static), 2^16 (dynamic, which "
          "grows only every 2000 steps) and adaptive scaling recover?"),
-    Case("underflow-accum", "Tiny loss (×1e-6), adaptive with a looser accumulated bound",
-         ("--loss-factor", "1e-6", "--accum-bound", "1e9", "--methods", "fp32", "dynamic",
-          "adaloss-product", "adaloss-output", "adaloss-gradient"),
-         "The default accumulated bound (u_max = 65504) caps the product of scales at ~2^16, "
-         "the same ceiling as the global scales; raising it lets the layers go further."),
-    Case("underflow-normal", "Tiny loss (×1e-6), adaptive aiming at the normal range",
-         ("--loss-factor", "1e-6", "--accum-bound", "1e9", "--u-min", "6.103515625e-05", "--methods",
-          "fp32", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient"),
+    Case("underflow-bounds", "Tiny loss (×1e-6), adaptive with looser bounds",
+         ("--loss-factor", "1e-6", "--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3",
+          "--methods", "fp32", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient"),
+         "The default bounds (layer and accumulated: u_max = 65504) cap the loss cast's scale, the "
+         "first decision of the backward, at 2^15: the ceiling of the global scales. The overflow "
+         "caps alone keep every scaled cotangent finite; raising both bounds lets the loss cast take "
+         "the scale its statistics ask for."),
+    Case("underflow-normal", "Tiny loss (×1e-6), looser bounds, aiming at the normal range",
+         ("--loss-factor", "1e-6", "--accum-bound", "1e12", "--layer-bound", "1e12", "--u-min",
+          "6.103515625e-05", "--methods", "fp32", "dynamic", "adaloss-product", "adaloss-output",
+          "adaloss-gradient"),
          "With u_min = 2^-14 (the smallest normal fp16 number) instead of 2^-24, the scales keep "
          "cotangents out of the subnormal range, where they have few significant bits."),
+    Case("underflow-deep", "Tinier loss (×1e-8): the global scales' ceiling",
+         ("--loss-factor", "1e-8", "--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3",
+          "--methods", "fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output",
+          "adaloss-gradient"),
+         "Cotangents 10^8 below the usual: 2^15 and 2^16 leave most of the logits' cotangent at "
+         "zero (dynamic grows ×2 only every 2000 clean steps); adaptive scaling with loose bounds "
+         "scales the loss cast by what its statistics ask for. (fp32 itself trains slower "
+         "here: Adam's ε = 1e-8 is no longer small against gradients of ~1e-10.)"),
     Case("overflow-torch", "Large loss (×1e3), PyTorch: torch.amp.GradScaler vs AdaLossScaler",
          ("--framework", "torch", "--loss-factor", "1e3"),
          "The overflow case with the PyTorch bridge and torch's own GradScaler."),
@@ -52,6 +65,16 @@ CASES = (
          "A convolutional model: 2 convolutions and a linear head on scikit-learn's 8x8 digits."),
 )
 ADALOSS = ("adaloss-product", "adaloss-output", "adaloss-gradient")
+OVERHEAD = (
+    Case("overhead-jax", "JAX: adaloss vs jmp.DynamicLossScale", ("--overhead",),
+         "The study model, fp16 compute, Adam."),
+    Case("overhead-jax-every10", "JAX, statistics recomputed every 10 steps",
+         ("--overhead", "--update-every", "10"),
+         "`update_every=10`: the statistical scales are reused for 9 steps (under `lax.cond`, so "
+         "their reductions are skipped); the overflow caps still use current maxima."),
+    Case("overhead-torch", "PyTorch: AdaLossScaler vs torch.amp.GradScaler",
+         ("--overhead", "--framework", "torch"), "The same model in PyTorch, fp16 autocast, Adam."),
+)
 
 
 def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str:
@@ -73,11 +96,23 @@ def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str
     return "\n".join(lines)
 
 
-def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
-                  cases: tuple[Case, ...] = CASES, reuse: bool = False) -> Path:
-    """Run ``cases`` (``run(argv)`` is the study) into ``out/<case>/`` and write ``out/results.md``.
+def _run_case(out: Path, case: Case, result_file: str, run: Callable[[list[str]], dict[str, Any]],
+              reuse: bool) -> tuple[list[str], dict[str, Any]]:
+    argv = [*case.argv, "--out", str(out / case.name)]
+    saved = out / case.name / result_file
+    if reuse and saved.exists():
+        return argv, json.loads(saved.read_text())
+    return argv, run(argv)
 
-    ``reuse``: a case whose ``study.json`` exists (from the same command) is read, not rerun.
+
+def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
+                  cases: tuple[Case, ...] = CASES, reuse: bool = False,
+                  overhead: tuple[Case, ...] = OVERHEAD) -> Path:
+    """Run ``cases`` and ``overhead`` (``run(argv)`` is ``adaloss-study argv``) into
+    ``out/<case>/`` and write ``out/results.md``.
+
+    ``reuse``: a case whose ``study.json`` / ``overhead.json`` exists (from the same
+    command) is read, not rerun.
     """
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}
@@ -88,12 +123,7 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
              "Underflow: per layer, the fraction of the incoming cotangent that is zero in fp16 "
              "but not in fp32 at the same weights, measured every 50 steps.", ""]
     for case in cases:
-        argv = [*case.argv, "--out", str(out / case.name)]
-        saved = out / case.name / "study.json"
-        if reuse and saved.exists():
-            record = json.loads(saved.read_text())
-        else:
-            record = run(argv)
+        argv, record = _run_case(out, case, "study.json", run, reuse)
         records[case.name] = record
         rel = Path(case.name)
         parts += [f"## {case.title}", "", case.question, "",
@@ -102,7 +132,21 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
         heat = out / case.name / "scales_adaloss-product.png"
         if heat.exists():
             parts += [f"![per-layer scales, adaloss-product]({rel / heat.name})", ""]
+        parts += _against_threshold(record)
     parts += _which_model(records)
+    parts += _threshold_summary(records)
+    if overhead:
+        parts += ["## Overhead", "",
+                  "Step time of fp16 with no scaling, dynamic global scaling and adaloss-product, "
+                  "timed in alternation in one process (rounds of 30 steps after a warm-up; forward, "
+                  "backward, (un)scaling, Adam). This CPU is shared and noisy: the rounds show the spread.",
+                  ""]
+        for case in overhead:
+            argv, result = _run_case(out, case, "overhead.json", run, reuse)
+            parts += [f"### {case.title}", "", case.question, "",
+                      f"```\nadaloss-study {shlex.join(argv)}\n```", "",
+                      f"{result['parameters']:,} parameters; {result['machine']}.", "",
+                      overhead_table(result), ""]
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
@@ -136,3 +180,61 @@ def _which_model(records: dict[str, dict[str, Any]]) -> list[str]:
             f"{spread:.2f}% in any case.", "",
             f"Default: `{best_model.split('-', 1)[1]}`: where the models differ at all, it leaves the "
             "least underflow, at the same loss and cost.", ""]
+
+
+def _threshold_pairs(record: dict[str, Any], method: str) -> list[tuple[str, float, bool]]:
+    """(layer, measured underflow, a bound limited its scale) over the measured steps of
+    ``method``'s first seed; the decisions recorded at the same step and weights."""
+    run = record.get("runs", {}).get(method)
+    if not run:
+        return []
+    return [(layer, rate, layer in run.get("limited", {}).get(step, ()))
+            for step, rates in run["underflow"].items() for layer, rate in rates.items()]
+
+
+def _against_threshold(record: dict[str, Any], method: str = "adaloss-product") -> list[str]:
+    """Per layer: measured underflow against T, and how often a cap or bound (not the
+    statistical model) set the scale where it was above T."""
+    pairs = _threshold_pairs(record, method)
+    if not pairs:
+        return []
+    t = record["config"]["adaloss"]["threshold"]
+    layers: dict[str, list[tuple[float, bool]]] = {}
+    for layer, rate, limited in pairs:
+        layers.setdefault(layer, []).append((rate, limited))
+    rows = []
+    for layer, got in layers.items():
+        rates = np.array([r for r, _ in got])
+        above = [lim for r, lim in got if r > t]
+        rows.append(f"| {layer} | {rates.mean():.2e} | {rates.max():.2e} | {len(above)} / {len(got)} | "
+                    f"{sum(above)} |")
+    return ["<details><summary>Per-layer measured underflow vs T = "
+            f"{t:g} ({method}, seed 0)</summary>", "",
+            "| layer | mean | max | steps above T | of those, scale set by a cap or bound |",
+            "|---|---|---|---|---|", *rows, "", "</details>", ""]
+
+
+def _threshold_summary(records: dict[str, dict[str, Any]], method: str = "adaloss-product") -> list[str]:
+    """The target: measured underflow ≤ T wherever the bounds let the statistical scale through."""
+    rows, misses = [], {}
+    for name, record in records.items():
+        pairs = _threshold_pairs(record, method)
+        if not pairs:
+            continue
+        t = record["config"]["adaloss"]["threshold"]
+        over = [(layer, lim) for layer, rate, lim in pairs if rate > t]
+        free = sorted({layer for layer, lim in over if not lim})
+        misses[name] = free
+        rows.append(f"| {name} | {len(pairs)} | {len(pairs) - len(over)} | {sum(lim for _, lim in over)} | "
+                    f"{len(over) - sum(lim for _, lim in over)} |")
+    if not rows:
+        return []
+    listed = [f"- {name}: " + ", ".join(f"`{x}`" for x in free) for name, free in misses.items() if free]
+    return ["## Measured underflow against the threshold", "",
+            f"Each (measured step, layer) of {method} (seed 0): at most T, or above T with the scale "
+            "set by an overflow cap or the layer/accumulated bound (the bounds do not allow T), or "
+            "above T although the statistical scale was applied (the model's miss).", "",
+            "| case | layer-steps | ≤ T | > T, bound-limited | > T, statistical scale |",
+            "|---|---|---|---|---|", *rows, "",
+            "Layers above T with the statistical scale applied:" if listed else
+            "No layer was above T where the statistical scale was applied.", "", *listed, ""]

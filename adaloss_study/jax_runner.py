@@ -103,84 +103,112 @@ def _loss_fn(graphdef: Any, factor: float) -> Callable[..., jax.Array]:
     return loss
 
 
+class Trainer:
+    """One method's model, optimizer state and jitted training step (no host sync in :meth:`step`)."""
+
+    def __init__(self, method: str, cfg: RunConfig, make_model: Callable[[Any, Any, int], Any]) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.method, self.cfg = method, cfg
+        dtype = jnp.float32 if method == "fp32" else jnp.float16
+        graphdef, self.params = nnx.split(make_model(cfg, dtype, cfg.seed))
+        ref_graph, _ = nnx.split(make_model(cfg, jnp.float32, cfg.seed))
+        self.loss = _loss_fn(graphdef, cfg.loss_factor)
+        self.ref_loss = _loss_fn(ref_graph, cfg.loss_factor)
+        self.ada_cfg = None
+        if method.startswith("adaloss-"):
+            self.ada_cfg = dataclasses.replace(cfg.adaloss, model=method.split("-", 1)[1])
+            self._step, self.state = _adaloss_step(self.loss, self.ada_cfg, cfg.lr, self.params)
+        else:
+            self._step, self.state = _global_step(self.loss, method, cfg, self.params)
+
+    def step(self, x: Any, y: Any) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """One training step: (loss, skipped, scales) as device arrays."""
+        self.params, self.state, value, scales, skip = self._step(self.params, self.state, x, y)
+        return value, skip, scales
+
+    def global_scale(self) -> jax.Array:
+        """The current global loss scale (1 for fp16/fp32)."""
+        scaler = self.state[1] if self.method in ("static", "dynamic") else None
+        return jnp.asarray(scaler.loss_scale if scaler is not None else 1.0, jnp.float32)
+
+
+_ONE = np.float32(1.0)
+
+
+def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: float, params: Any) -> Any:
+    """The adaloss step; with ``update_every > 1`` the report's scale cache rides in the state."""
+    tx = jax_adaloss.adaloss(inner=optax.adam(lr))
+    vg = jax_adaloss.value_and_grad(loss, config=config, return_report=True)
+    cached = config.update_every > 1
+
+    @jax.jit
+    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+        opt_state, cache = state if cached else (state, None)
+        kwargs = {"adaloss_cache": cache} if cache is not None else {}
+        (value, grads), report = vg(params, x, y, _ONE, **kwargs)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        scales = {k: r.scale for k, r in report.layers.items()}
+        scales.update({f"{k}#limited": r.unrounded_scale < r.model_scale for k, r in report.layers.items()})
+        state = (opt_state, report.cache) if cached else opt_state
+        return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
+    return step, (tx.init(params), None) if cached else tx.init(params)
+
+
+def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any) -> Any:
+    adam = optax.adam(cfg.lr)
+    scale0 = jmp.StaticLossScale(jnp.float32(cfg.static_scale)) if method == "static" else (
+        jmp.DynamicLossScale(jnp.float32(2.0**16)) if method == "dynamic" else jmp.NoOpLossScale())
+
+    @jax.jit
+    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+        opt_state, ls = state
+        value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, x, y, _ONE)))(params)
+        grads = ls.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, new_opt = adam.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
+        if isinstance(ls, jmp.DynamicLossScale):
+            ls = ls.adjust(finite)
+        scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else _ONE
+        return (params, (opt_state, ls), ls.unscale(value), {"global": jnp.asarray(scale, jnp.float32)},
+                ~finite)
+    return step, (adam.init(params), scale0)
+
+
 def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray]],
         val: list[tuple[np.ndarray, np.ndarray]], make_model: Callable[[Any, Any, int], Any],
         progress: bool = True) -> RunResult:
     """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) batches and
     ``make_model(cfg, dtype, seed)`` builds the Flax nnx model."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    dtype = jnp.float32 if method == "fp32" else jnp.float16
-    graphdef, params = nnx.split(make_model(cfg, dtype, cfg.seed))
-    ref_graph, _ = nnx.split(make_model(cfg, jnp.float32, cfg.seed))
-    loss = _loss_fn(graphdef, cfg.loss_factor)
-    ref_loss = _loss_fn(ref_graph, cfg.loss_factor)
-    adam = optax.adam(cfg.lr)
-    one = jnp.ones((), jnp.float32)
-    ada_cfg = None
-    if method.startswith("adaloss-"):
-        ada_cfg = dataclasses.replace(cfg.adaloss, model=method.split("-", 1)[1])
-        tx = jax_adaloss.adaloss(inner=adam)
-        vg = jax_adaloss.value_and_grad(loss, config=ada_cfg, return_report=True)
-
-        @jax.jit
-        def step(params: Any, state: Any, x: Any, y: Any) -> Any:
-            (value, grads), report = vg(params, x, y, one)
-            updates, state = tx.update(grads, state, params)
-            scales = {k: r.scale for k, r in report.layers.items()}
-            scales.update({f"{k}#limited": r.unrounded_scale < r.model_scale
-                           for k, r in report.layers.items()})
-            return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
-        state = tx.init(params)
-    else:
-        static = method == "static"
-        scale0 = jmp.StaticLossScale(jnp.float32(cfg.static_scale)) if static else (
-            jmp.DynamicLossScale(jnp.float32(2.0**16)) if method == "dynamic" else jmp.NoOpLossScale())
-
-        @jax.jit
-        def step(params: Any, state: Any, x: Any, y: Any) -> Any:
-            opt_state, ls = state
-            value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, x, y, one)))(params)
-            grads = ls.unscale(grads)
-            finite = jmp.all_finite(grads)
-            updates, new_opt = adam.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
-            if isinstance(ls, jmp.DynamicLossScale):
-                ls = ls.adjust(finite)
-            scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else one
-            return (params, (opt_state, ls), ls.unscale(value), {"global": jnp.asarray(scale, jnp.float32)},
-                    ~finite)
-        state = (adam.init(params), scale0)
-
-    eval_loss = jax.jit(lambda p, x, y: loss(p, x, y, one))
-    capture_adaptive = functools.partial(jax_adaloss.layer_cotangents, loss, config=ada_cfg)
-    capture_global = functools.partial(jax_adaloss.layer_cotangents, loss, loss_scale=1.0,
+    t = Trainer(method, cfg, make_model)
+    eval_loss = jax.jit(lambda p, x, y: t.loss(p, x, y, _ONE))
+    capture_adaptive = functools.partial(jax_adaloss.layer_cotangents, t.loss, config=t.ada_cfg)
+    capture_global = functools.partial(jax_adaloss.layer_cotangents, t.loss, loss_scale=1.0,
                                        config=cfg.adaloss)
-    capture_ref = functools.partial(jax_adaloss.layer_cotangents, ref_loss, loss_scale=1.0,
+    capture_ref = functools.partial(jax_adaloss.layer_cotangents, t.ref_loss, loss_scale=1.0,
                                     config=cfg.adaloss)
 
     res = RunResult(method)
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         x, y = next(data)
         if method != "fp32" and cfg.measure_every and i % cfg.measure_every == 0:
-            if ada_cfg is not None:
-                low = capture_adaptive(params, x, y, one)
+            if t.ada_cfg is not None:
+                low = capture_adaptive(t.params, x, y, _ONE)
             else:
-                current = state[1].loss_scale if method in ("static", "dynamic") else one
-                low = capture_global(params, x, y, jnp.asarray(current, jnp.float32))
-            ref = capture_ref(params, x, y, one)
-            got = compare_cotangents(low, ref, cfg.adaloss)
+                low = capture_global(t.params, x, y, t.global_scale())
+            got = compare_cotangents(low, capture_ref(t.params, x, y, _ONE), cfg.adaloss)
             res.add_underflow(i, got)
         t0 = time.perf_counter()
-        params, state, value, step_scales, skip = step(params, state, x, y)
+        value, skip, step_scales = t.step(x, y)
         jax.block_until_ready(value)
         res.add_step(time.perf_counter() - t0, float(value) / cfg.loss_factor, bool(skip))
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
             res.scales[i] = {k: float(v) for k, v in step_scales.items() if not k.endswith("#limited")}
             res.limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
                                 if k.endswith("#limited") and bool(v))
-    val_loss = float(np.mean([float(eval_loss(params, x, y)) for x, y in val])) / cfg.loss_factor
+    val_loss = float(np.mean([float(eval_loss(t.params, x, y)) for x, y in val])) / cfg.loss_factor
     if method.startswith("adaloss-"):
-        res.skipped = int(optax.tree.get(state, "skipped"))  # counted by the transformation
+        res.skipped = int(optax.tree.get(t.state, "skipped"))  # counted by the transformation
     return res.finish(val_loss)

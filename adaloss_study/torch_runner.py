@@ -48,57 +48,72 @@ def _scaler(method: str, model: torch.nn.Module, cfg: RunConfig) -> Any:
     return None
 
 
+class Trainer:
+    """One method's module, Adam and scaler; :meth:`step` is one training step."""
+
+    def __init__(self, method: str, cfg: RunConfig,
+                 make_model: Callable[[RunConfig], torch.nn.Module]) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        torch.manual_seed(cfg.seed)
+        self.method, self.cfg = method, cfg
+        self.model = make_model(cfg)
+        self.opt = torch.optim.Adam(self.model.parameters(), cfg.lr)
+        self.scaler = _scaler(method, self.model, cfg)
+        self.low = method != "fp32"
+
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> torch.Tensor:
+        ctx = torch.autocast("cpu", dtype=torch.float16) if autocast else contextlib.nullcontext()
+        with ctx:
+            logits = self.model(x)
+        return self.cfg.loss_factor * F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                      y.reshape(-1))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Forward, backward, (un)scaling, Adam and the scaler's update: (loss, skipped)."""
+        scaler = self.scaler
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_of(x, y, self.low)
+        if scaler is None:
+            loss.backward()
+            self.opt.step()
+            return loss.detach(), False
+        before = getattr(scaler, "skipped_steps", None)
+        scale_before = None if before is not None else float(scaler.get_scale())
+        scaler.scale(loss).backward()
+        scaler.step(self.opt)
+        scaler.update()
+        if before is not None:
+            return loss.detach(), scaler.skipped_steps > before
+        return loss.detach(), float(scaler.get_scale()) < scale_before
+
+
 def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray]],
         val: list[tuple[np.ndarray, np.ndarray]], make_model: Callable[[RunConfig], torch.nn.Module],
         progress: bool = True) -> RunResult:
     """Train ``cfg.steps`` steps of ``method``; ``data`` yields (x, y) batches and
     ``make_model(cfg)`` builds the module."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    torch.manual_seed(cfg.seed)
-    model = make_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), cfg.lr)
-    scaler = _scaler(method, model, cfg)
-    low = method != "fp32"
-
-    def loss_of(x: torch.Tensor, y: torch.Tensor, autocast: bool) -> torch.Tensor:
-        ctx = torch.autocast("cpu", dtype=torch.float16) if autocast else contextlib.nullcontext()
-        with ctx:
-            logits = model(x)
-        return cfg.loss_factor * F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-
+    t = Trainer(method, cfg, make_model)
+    scaler, model = t.scaler, t.model
+    adaptive = isinstance(scaler, torch_bridge.AdaLossScaler)
     res = RunResult(method)
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         xn, yn = next(data)
         x, y = _tensor(xn), _tensor(yn)
-        if low and cfg.measure_every and i % cfg.measure_every == 0:
-            adaptive = isinstance(scaler, torch_bridge.AdaLossScaler)
+        if t.low and cfg.measure_every and i % cfg.measure_every == 0:
             current = None if adaptive else (float(scaler.get_scale()) if scaler is not None else 1.0)
             got = compare_cotangents(
-                torch_bridge.layer_cotangents(model, functools.partial(loss_of, x, y, True),
+                torch_bridge.layer_cotangents(model, functools.partial(t.loss_of, x, y, True),
                                               loss_scale=current,
                                               config=scaler.config if adaptive else cfg.adaloss),
-                torch_bridge.layer_cotangents(model, functools.partial(loss_of, x, y, False),
+                torch_bridge.layer_cotangents(model, functools.partial(t.loss_of, x, y, False),
                                               loss_scale=1.0, config=cfg.adaloss), cfg.adaloss)
             res.add_underflow(i, got)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(x, y, low)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-            skip = False
-        else:
-            before = getattr(scaler, "skipped_steps", None)
-            scale_before = None if before is not None else float(scaler.get_scale())
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            skip = (scaler.skipped_steps > before) if before is not None else \
-                float(scaler.get_scale()) < scale_before
-        res.add_step(time.perf_counter() - t0, float(loss.detach()) / cfg.loss_factor, bool(skip))
+        loss, skip = t.step(x, y)
+        res.add_step(time.perf_counter() - t0, float(loss) / cfg.loss_factor, skip)
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
-            if isinstance(scaler, torch_bridge.AdaLossScaler):
+            if adaptive:
                 reports = scaler.layer_reports()
                 res.scales[i] = {k: float(r.scale) for k, r in reports.items()}
                 res.limited[i] = sorted(k for k, r in reports.items()
@@ -106,6 +121,6 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             else:
                 res.scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
     with torch.no_grad():
-        val_loss = float(np.mean([float(loss_of(_tensor(x), _tensor(y), low)) for x, y in val])
+        val_loss = float(np.mean([float(t.loss_of(_tensor(x), _tensor(y), t.low)) for x, y in val])
                          ) / cfg.loss_factor
     return res.finish(val_loss)

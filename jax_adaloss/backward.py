@@ -211,6 +211,7 @@ class _Sweep:
         self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
         self.layers: dict[str, LayerReport] = {}
         self.model_scales: dict[str, Any] = {}
+        self.spreads: dict[str, Any] = {}
         self.cache = cache
         step = cache.step if cache is not None else jnp.zeros((), jnp.int32)
         self.recompute = (step % config.update_every) == 0
@@ -264,20 +265,32 @@ class _Sweep:
                 for pos, ct in zip(node.diff, node.vjp(out_cts)):
                     self.cts[node.ins[pos]].append((ct, scale))
 
-    def _cached(self, name: str, fresh: Any) -> Any:
-        self.model_scales[name] = fresh
+    def _statistical(self, name: str, fresh: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        """(statistical scale, its spread) of a decision: ``fresh()`` every
+        ``update_every`` calls, else the cached pair; under ``lax.cond``, so the
+        statistics are not computed on the calls that reuse them."""
         if self.cache is None or self.config.update_every == 1:
-            return fresh
-        return jnp.where(self.recompute, fresh, self.cache.model_scales[name])
+            out = fresh()
+        else:
+            out = jax.lax.cond(self.recompute, fresh,
+                               lambda: (self.cache.model_scales[name], self.cache.spreads[name]))
+        self.model_scales[name], self.spreads[name] = out
+        return out
 
     def _layer(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
-        g_stats = solver.tensor_stats(g, jnp)
-        w_stats = None if cfg.model == "gradient" else solver.tensor_stats(node.weight, jnp)
-        sigma = solver.model_sigma(cfg, g_stats, w_stats, node.fan_in, jnp)
-        use = self._cached(node.name, solver.model_scale(cfg, sigma, jnp))
-        d = solver.layer_scale(cfg, g_stats, w_stats, node.fan_in, incoming, jnp,
-                               cached_model_scale=use)
+        weight = None if cfg.model == "gradient" else node.weight
+
+        def fresh() -> tuple[Any, Any]:
+            ws = None if weight is None else solver.tensor_stats(weight, jnp)
+            sigma = solver.model_sigma(cfg, solver.tensor_stats(g, jnp), ws, node.fan_in, jnp)
+            return solver.model_scale(cfg, sigma, jnp), sigma
+
+        s_model, sigma = self._statistical(node.name, fresh)
+        g_ext = solver.extrema(g, jnp)  # the caps use current statistics on every call
+        w_ext = None if weight is None else solver.extrema(weight, jnp)
+        d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
+                               cached_model_scale=s_model, cached_sigma=sigma)
         outgoing = incoming * d.scale
         act_ct = node.vjp([_rescale(g, d.scale)])[node.act]
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
@@ -285,13 +298,18 @@ class _Sweep:
             w_ct = node.vjp([g])[node.wgt]
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
         pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-        self._report(node, d, incoming, outgoing, pred, solver.absmax(g_stats, jnp))
+        self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp))
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
-        ls = solver.log_stats(g, jnp)
-        use = self._cached(node.name, solver.cast_scale(cfg, ls, incoming, jnp).model_scale)
-        d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=use)
+
+        def fresh() -> tuple[Any, Any]:
+            ls = solver.log_stats(g, jnp)
+            return solver.cast_model_scale(cfg, ls, jnp), ls
+
+        s_model, ls = self._statistical(node.name, fresh)
+        ls = ls._replace(absmax=jnp.max(jnp.abs(g)).astype(_F32))  # the cap: current max|g|
+        d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=s_model)
         outgoing = incoming * d.scale
         (ct,) = node.vjp([_rescale(g, d.scale)])
         self.cts[node.ins[0]].append((ct, outgoing))
@@ -307,8 +325,8 @@ class _Sweep:
             unrounded_scale=d.unrounded)
 
     def report(self) -> BackwardReport:
-        return BackwardReport(self.layers, ScaleCache(self.step + 1, self.model_scales), self.captured,
-                              self.captured_scales)
+        cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
+        return BackwardReport(self.layers, cache, self.captured, self.captured_scales)
 
 
 def _sum(xs: list[Any]) -> Any:

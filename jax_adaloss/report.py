@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -19,6 +19,8 @@ class ScaleCache(NamedTuple):
 
     step: jax.Array  # int32: calls made so far
     model_scales: dict[str, jax.Array]
+    # the spread behind each model scale: σ (layers) or the log-normal LogStats (casts)
+    spreads: dict[str, Any]
 
 
 class BackwardReport(NamedTuple):

@@ -90,3 +90,29 @@ def test_backward_gradients_finite_and_scales_pow2(scale, seed, cfg, width):
         assert math.frexp(float(g.scale))[0] == 0.5
     for layer in report.layers.values():
         assert _is_pow2_within(float(layer.scale), cfg, float(layer.incoming_scale))
+
+
+def _authors_merge(scales, absmaxes, u_max):
+    """method.md step 5 as a loop: largest scale first, then halve the smallest."""
+    m = max(a / s for a, s in zip(absmaxes, scales))
+    for s in sorted(scales, reverse=True):
+        if m * s < u_max:
+            return s
+    smallest = min(scales)
+    for k in (0.5, 0.25, 0.125):
+        if m * smallest * k < u_max:
+            return smallest * k
+    return smallest * 0.125
+
+
+pow2 = st.integers(-30, 30).map(lambda e: np.float32(2.0**e))
+absmax = st.sampled_from([0.0, 2.0**-24, 1.0, 3.0, 6e4, 65504.0, 1e9]) | st.floats(0, 2.0**40, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(branches=st.lists(st.tuples(pow2, absmax), min_size=2, max_size=5))
+def test_merge_scale_is_the_authors_scan(branches):
+    scales = [np.float32(s) for s, _ in branches]
+    absmaxes = [np.float32(a) for _, a in branches]
+    got = solver.merge_scale(scales, absmaxes, 65504.0, np)
+    assert float(got) == float(_authors_merge(scales, absmaxes, 65504.0))

@@ -31,15 +31,21 @@ def test_gallery_writes_results_page(tmp_path):
     argv = ("--steps", "2", "--measure-every", "1", "--methods", "fp32", "fp16", "--dim", "16",
             "--layers", "1", "--seq", "16")
     cases = (gallery.Case("tiny", "Tiny", argv, "Smoke."),)
-    path = gallery.write_results(tmp_path, lambda extra: cli.study(cli._parser().parse_args(extra)), cases)
+    timing = ("--overhead", "--task", "digits", "--steps", "1", "--batch", "2", "--repeats", "1")
+    overhead = (gallery.Case("oh", "Timing", timing, "Smoke."),)
+
+    def run(extra):
+        return cli._dispatch(cli._parser().parse_args(extra))
+    path = gallery.write_results(tmp_path, run, cases, overhead=overhead)
     page = path.read_text()
     assert "## Tiny" in page and "adaloss-study --steps 2" in page
     assert "| fp16 |" in page and "vs fp32" in page
+    assert "### Timing" in page and "| adaloss-product |" in page and "vs dynamic" in page
     assert (tmp_path / "tiny" / "loss.png").exists()
 
     def no_rerun(extra):
         raise AssertionError("reran a case")
-    assert gallery.write_results(tmp_path, no_rerun, cases, reuse=True).read_text() == page
+    assert gallery.write_results(tmp_path, no_rerun, cases, reuse=True, overhead=overhead).read_text() == page
 
 
 def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
@@ -98,3 +104,30 @@ def test_table_reports_mean_and_std_over_seeds():
     lines = cli._table({"fp32": runs}).splitlines()
     assert "2.2500 ± 0.2500" in lines[2]
     assert len(lines[0]) == len(lines[2])  # columns aligned
+
+
+def test_threshold_summary_separates_bound_limited_layers():
+    from adaloss_study import gallery
+
+    record = {"config": {"adaloss": {"threshold": 1e-3}},
+              "runs": {"adaloss-product": {
+                  "underflow": {"0": {"a": 0.0, "b": 0.5, "c": 0.01}, "50": {"a": 2e-3, "b": 1e-4, "c": 0.0}},
+                  "limited": {"0": ["b"], "50": []}}}}
+    page = "\n".join(gallery._threshold_summary({"case": record}))
+    assert "| case | 6 | 3 | 1 | 2 |" in page  # b@0 limited; a@50 and c@0 are the model's misses
+    assert "`a`, `c`" in page
+    detail = "\n".join(gallery._against_threshold(record))
+    assert "| b | 2.50e-01 | 5.00e-01 | 1 / 2 | 1 |" in detail
+
+
+def test_overhead_mode_times_methods_alternately(tmp_path, capsys):
+    for framework in ("jax", "torch"):
+        out = tmp_path / framework
+        argv = ["--overhead", "--framework", framework, "--task", "digits", "--steps", "2", "--batch", "4",
+                "--repeats", "2", "--out", str(out)]
+        assert cli.main(argv) == 0
+        result = json.loads((out / "overhead.json").read_text())
+        assert set(result["ms_per_step"]) == {"fp16", "dynamic", "adaloss-product"}
+        assert all(len(v) == 2 and min(v) > 0 for v in result["ms_per_step"].values())
+        assert result["ratio"]["dynamic"] == 1.0 and result["ratio"]["adaloss-product"] > 0
+        assert "adaloss-product" in capsys.readouterr().out
