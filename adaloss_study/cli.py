@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gallery:
         from adaloss_study import gallery
 
-        path = gallery.write_results(args.out, lambda extra: study(_parser().parse_args(extra)),
-                                     reuse=args.reuse)
+        path = gallery.write_results(args.out, lambda extra: _dispatch(_parser().parse_args(extra)),
+                                     gallery.CASES, reuse=args.reuse, overhead=gallery.OVERHEAD)
         print(f"wrote {path}")
         return 0
     _dispatch(args)

@@ -58,7 +58,7 @@ CASES = (
          "scales the loss cast by what its statistics ask for. (fp32 itself trains slower "
          "here: Adam's ε = 1e-8 is no longer small against gradients of ~1e-10.)"),
     Case("overflow-torch", "Large loss (×1e3), PyTorch: torch.amp.GradScaler vs AdaLossScaler",
-         ("--framework", "torch", "--loss-factor", "1e3"),
+         ("--framework", "torch", "--loss-factor", "1e3", "--seeds", "3"),
          "The overflow case with the PyTorch bridge and torch's own GradScaler."),
     Case("digits-underflow", "CNN on digits, tiny loss (×1e-6)",
          ("--task", "digits", "--loss-factor", "1e-6", "--steps", "150", "--batch", "64"),
@@ -68,31 +68,29 @@ ADALOSS = ("adaloss-product", "adaloss-output", "adaloss-gradient")
 OVERHEAD = (
     Case("overhead-jax", "JAX: adaloss vs jmp.DynamicLossScale", ("--overhead",),
          "The study model, fp16 compute, Adam."),
-    Case("overhead-jax-every10", "JAX, statistics recomputed every 10 steps",
-         ("--overhead", "--update-every", "10"),
-         "`update_every=10`: the statistical scales are reused for 9 steps (under `lax.cond`, so "
-         "their reductions are skipped); the overflow caps still use current maxima."),
     Case("overhead-torch", "PyTorch: AdaLossScaler vs torch.amp.GradScaler",
          ("--overhead", "--framework", "torch"), "The same model in PyTorch, fp16 autocast, Adam."),
 )
 
 
 def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str:
+    """The study table; ``vs fp32``: the relative val-loss difference to fp32 at the same seed
+    (same initialisation and batches), mean ± std over seeds."""
     cols = [("val_loss", "val loss", ".4f"), ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
             ("underflow_mean", "underflow mean", ".2e"), ("underflow_max", "underflow max", ".2e"),
             ("step_ms", "ms/step", ".1f")]
-    base = np.mean([r["val_loss"] for r in rows[ref]]) if ref in rows else None
-    head = "| method | " + " | ".join(c[1] for c in cols) + (" | vs fp32 |" if base else " |")
-    lines = [head, "|" + "---|" * (len(cols) + 1 + (1 if base else 0))]
+    base = np.array([r["val_loss"] for r in rows[ref]]) if ref in rows else None
+    head = "| method | " + " | ".join(c[1] for c in cols) + (" | vs fp32 |" if base is not None else " |")
+    lines = [head, "|" + "---|" * (len(cols) + 1 + (base is not None))]
     for method, runs in rows.items():
         cells = []
         for key, _, fmt in cols:
             v = np.array([r[key] for r in runs], float)
             cells.append(f"{v.mean():{fmt}}" + (f" ± {v.std():{fmt}}" if len(v) > 1 else ""))
-        rel = ""
-        if base:
-            rel = f" | {100 * (np.mean([r['val_loss'] for r in runs]) / base - 1):+.2f}%"
-        lines.append(f"| {method} | " + " | ".join(cells) + rel + " |")
+        if base is not None:
+            rel = 100 * (np.array([r["val_loss"] for r in runs]) / base - 1)
+            cells.append(f"{rel.mean():+.2f}%" + (f" ± {rel.std():.2f}" if len(rel) > 1 else ""))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -122,17 +120,19 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
              "JAX unless `--framework torch`; 2-core CPU. "
              "Underflow: per layer, the fraction of the incoming cotangent that is zero in fp16 "
              "but not in fp32 at the same weights, measured every 50 steps.", ""]
+    intro = len(parts)
     for case in cases:
         argv, record = _run_case(out, case, "study.json", run, reuse)
         records[case.name] = record
         rel = Path(case.name)
-        parts += [f"## {case.title}", "", case.question, "",
+        parts += [f'<a id="{case.name}"></a>', "", f"## {case.title}", "", case.question, "",
                   f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
                   f"![loss]({rel / 'loss.png'}) ![underflow]({rel / 'underflow.png'})", ""]
         heat = out / case.name / "scales_adaloss-product.png"
         if heat.exists():
             parts += [f"![per-layer scales, adaloss-product]({rel / heat.name})", ""]
         parts += _against_threshold(record)
+    parts[intro:intro] = _overview(records)
     parts += _which_model(records)
     parts += _threshold_summary(records)
     if overhead:
@@ -150,6 +150,28 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _paired(record: dict[str, Any], method: str, ref: str = "fp32") -> str:
+    rows = record["summary"]
+    if method not in rows or ref not in rows:
+        return "–"
+    rel = 100 * (np.array([r["val_loss"] for r in rows[method]])
+                 / np.array([r["val_loss"] for r in rows[ref]]) - 1)
+    skipped = int(np.mean([r["skipped"] for r in rows[method]]))
+    return f"{rel.mean():+.2f}%" + (f" ({skipped} skipped)" if skipped else "")
+
+
+def _overview(records: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per case: val loss relative to fp32 at the same seed (mean over seeds)."""
+    methods = ("fp16", "static", "dynamic", "adaloss-product")
+    rows = [f"| [{name}](#{name}) | {len(next(iter(r['summary'].values())))} | "
+            + " | ".join(_paired(r, m) for m in methods) + " |" for name, r in records.items()]
+    return ["## Overview", "",
+            "Final val loss relative to fp32 at the same seed (same initialisation and batches), mean "
+            "over seeds, with the mean number of skipped steps; each case's section below has the "
+            "command, the spread and the plots.", "",
+            "| case | seeds | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods), *rows, ""]
 
 
 def _which_model(records: dict[str, dict[str, Any]]) -> list[str]:
@@ -182,59 +204,70 @@ def _which_model(records: dict[str, dict[str, Any]]) -> list[str]:
             "least underflow, at the same loss and cost.", ""]
 
 
-def _threshold_pairs(record: dict[str, Any], method: str) -> list[tuple[str, float, bool]]:
-    """(layer, measured underflow, a bound limited its scale) over the measured steps of
-    ``method``'s first seed; the decisions recorded at the same step and weights."""
+def _threshold_rows(record: dict[str, Any], method: str) -> list[tuple[str, float, float]]:
+    """(layer, measured, predicted underflow) over the measured steps of ``method``'s first seed."""
     run = record.get("runs", {}).get(method)
     if not run:
         return []
-    return [(layer, rate, layer in run.get("limited", {}).get(step, ()))
+    return [(layer, rate, run["predicted"][step][layer])
             for step, rates in run["underflow"].items() for layer, rate in rates.items()]
 
 
+def _limited_share(record: dict[str, Any], method: str) -> tuple[int, int]:
+    """(decisions a cap or bound set, all decisions) over the recorded steps of ``method``."""
+    run = record["runs"][method]
+    steps = [k for k in run.get("limited", {}) if k in run["underflow"]]
+    return (sum(len(run["limited"][k]) for k in steps),
+            sum(len([n for n in run["scales"][k] if n != "global"]) for k in steps))
+
+
 def _against_threshold(record: dict[str, Any], method: str = "adaloss-product") -> list[str]:
-    """Per layer: measured underflow against T, and how often a cap or bound (not the
-    statistical model) set the scale where it was above T."""
-    pairs = _threshold_pairs(record, method)
-    if not pairs:
+    """Per layer: measured underflow of the incoming cotangent against T, and what the
+    normal model predicted at the scale it carried."""
+    rows = _threshold_rows(record, method)
+    if not rows:
         return []
     t = record["config"]["adaloss"]["threshold"]
-    layers: dict[str, list[tuple[float, bool]]] = {}
-    for layer, rate, limited in pairs:
-        layers.setdefault(layer, []).append((rate, limited))
-    rows = []
+    layers: dict[str, list[tuple[float, float]]] = {}
+    for layer, rate, pred in rows:
+        layers.setdefault(layer, []).append((rate, pred))
+    lines = []
     for layer, got in layers.items():
-        rates = np.array([r for r, _ in got])
-        above = [lim for r, lim in got if r > t]
-        rows.append(f"| {layer} | {rates.mean():.2e} | {rates.max():.2e} | {len(above)} / {len(got)} | "
-                    f"{sum(above)} |")
+        rates, preds = np.array(got).T
+        lines.append(f"| {layer} | {rates.mean():.2e} | {rates.max():.2e} | {preds.mean():.2e} | "
+                     f"{int((rates > t).sum())} / {len(got)} |")
     return ["<details><summary>Per-layer measured underflow vs T = "
             f"{t:g} ({method}, seed 0)</summary>", "",
-            "| layer | mean | max | steps above T | of those, scale set by a cap or bound |",
-            "|---|---|---|---|---|", *rows, "", "</details>", ""]
+            "| layer | measured mean | measured max | predicted mean | steps above T |",
+            "|---|---|---|---|---|", *lines, "", "</details>", ""]
 
 
 def _threshold_summary(records: dict[str, dict[str, Any]], method: str = "adaloss-product") -> list[str]:
     """The target: measured underflow ≤ T wherever the bounds let the statistical scale through."""
     rows, misses = [], {}
     for name, record in records.items():
-        pairs = _threshold_pairs(record, method)
+        pairs = _threshold_rows(record, method)
         if not pairs:
             continue
         t = record["config"]["adaloss"]["threshold"]
-        over = [(layer, lim) for layer, rate, lim in pairs if rate > t]
-        free = sorted({layer for layer, lim in over if not lim})
-        misses[name] = free
-        rows.append(f"| {name} | {len(pairs)} | {len(pairs) - len(over)} | {sum(lim for _, lim in over)} | "
-                    f"{len(over) - sum(lim for _, lim in over)} |")
+        short = sum(1 for _, rate, pred in pairs if rate > t and pred > t)
+        missed = [layer for layer, rate, pred in pairs if rate > t >= pred]
+        misses[name] = sorted(set(missed))
+        limited, decisions = _limited_share(record, method)
+        ok = len(pairs) - short - len(missed)
+        rows.append(f"| {name} | {len(pairs)} | {ok} | {short} | {len(missed)} | {limited} / {decisions} |")
     if not rows:
         return []
     listed = [f"- {name}: " + ", ".join(f"`{x}`" for x in free) for name, free in misses.items() if free]
     return ["## Measured underflow against the threshold", "",
-            f"Each (measured step, layer) of {method} (seed 0): at most T, or above T with the scale "
-            "set by an overflow cap or the layer/accumulated bound (the bounds do not allow T), or "
-            "above T although the statistical scale was applied (the model's miss).", "",
-            "| case | layer-steps | ≤ T | > T, bound-limited | > T, statistical scale |",
-            "|---|---|---|---|---|", *rows, "",
-            "Layers above T with the statistical scale applied:" if listed else
-            "No layer was above T where the statistical scale was applied.", "", *listed, ""]
+            f"Each (measured step, layer) of {method} (seed 0), for the cotangent entering the layer: "
+            "at most T; above T where the scale it carried was too small for T (the normal model "
+            "at that scale predicts > T too: a cap or bound downstream held the scale back); or "
+            "above T although the model predicted ≤ T (the model's miss: more tiny entries than a "
+            "normal distribution has, e.g. after an activation's derivative). Last column: the "
+            "decisions (layers and casts) at those steps whose scale a cap or bound set below the "
+            "statistical one.", "",
+            "| case | layer-steps | ≤ T | > T, scale held back | > T, model's miss | decisions limited |",
+            "|---|---|---|---|---|---|", *rows, "",
+            "Layers above T where the model predicted ≤ T:" if listed else
+            "No layer was above T where the model predicted ≤ T.", "", *listed, ""]

@@ -73,9 +73,11 @@ def measure(framework: str, cfg: RunConfig, task: Task, methods: tuple[str, ...]
     train = task.train(cfg.seed)
     batches = [next(train) for _ in range(steps)]
     make = _torch_timer if framework == "torch" else _jax_timer
-    timers, n_params = {}, 0
+    timers, n_params, warmup_s = {}, 0, {}
     for m in methods:
+        t0 = time.perf_counter()
         timers[m], n_params = make(m, cfg, task, batches, warmup=1)
+        warmup_s[m] = time.perf_counter() - t0  # model, compilation or graph plan, one round
     rounds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in tqdm(range(repeats), desc=f"overhead ({framework})", leave=False,
                   disable=None if progress else True):
@@ -86,7 +88,8 @@ def measure(framework: str, cfg: RunConfig, task: Task, methods: tuple[str, ...]
     median = {m: statistics.median(v) for m, v in rounds.items()}
     return {"framework": framework, "task": task.name, "parameters": n_params, "steps": steps,
             "repeats": repeats, "machine": _machine(framework), "ms_per_step": rounds,
-            "median_ms": median, "ratio": {m: median[m] / median[BASELINE] for m in methods}}
+            "median_ms": median, "warmup_s": warmup_s,
+            "ratio": {m: median[m] / median[BASELINE] for m in methods}}
 
 
 def _machine(framework: str) -> str:

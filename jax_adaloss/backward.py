@@ -266,14 +266,16 @@ class _Sweep:
                     self.cts[node.ins[pos]].append((ct, scale))
 
     def _statistical(self, name: str, fresh: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
-        """(statistical scale, its spread) of a decision: ``fresh()`` every
-        ``update_every`` calls, else the cached pair; under ``lax.cond``, so the
-        statistics are not computed on the calls that reuse them."""
-        if self.cache is None or self.config.update_every == 1:
-            out = fresh()
-        else:
-            out = jax.lax.cond(self.recompute, fresh,
-                               lambda: (self.cache.model_scales[name], self.cache.spreads[name]))
+        """(statistical scale, its spread) of a decision: ``fresh()`` on recompute calls
+        (``update_every``), else the cached pair.
+
+        A select, not a ``lax.cond``: the statistics run on every call, but the step
+        has no conditional, whose predicate XLA:GPU may read on the host.
+        """
+        out = fresh()
+        if self.cache is not None and self.config.update_every > 1:
+            cached = (self.cache.model_scales[name], self.cache.spreads[name])
+            out = jax.tree.map(lambda f, c: jnp.where(self.recompute, f, c), out, cached)
         self.model_scales[name], self.spreads[name] = out
         return out
 

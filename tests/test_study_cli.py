@@ -25,27 +25,26 @@ def test_study_runs_every_output(tmp_path, capsys):
         assert (out / name).stat().st_size > 10_000
 
 
-def test_gallery_writes_results_page(tmp_path):
+def test_gallery_writes_results_page(tmp_path, monkeypatch):
     from adaloss_study import gallery
 
     argv = ("--steps", "2", "--measure-every", "1", "--methods", "fp32", "fp16", "--dim", "16",
             "--layers", "1", "--seq", "16")
-    cases = (gallery.Case("tiny", "Tiny", argv, "Smoke."),)
     timing = ("--overhead", "--task", "digits", "--steps", "1", "--batch", "2", "--repeats", "1")
-    overhead = (gallery.Case("oh", "Timing", timing, "Smoke."),)
-
-    def run(extra):
-        return cli._dispatch(cli._parser().parse_args(extra))
-    path = gallery.write_results(tmp_path, run, cases, overhead=overhead)
-    page = path.read_text()
+    monkeypatch.setattr(gallery, "CASES", (gallery.Case("tiny", "Tiny", argv, "Smoke."),))
+    monkeypatch.setattr(gallery, "OVERHEAD", (gallery.Case("oh", "Timing", timing, "Smoke."),))
+    assert cli.main(["--gallery", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "results.md").read_text()
     assert "## Tiny" in page and "adaloss-study --steps 2" in page
     assert "| fp16 |" in page and "vs fp32" in page
+    assert "| [tiny](#tiny) | 1 | " in page  # the overview line
     assert "### Timing" in page and "| adaloss-product |" in page and "vs dynamic" in page
-    assert (tmp_path / "tiny" / "loss.png").exists()
+    assert (tmp_path / "tiny" / "loss.png").exists() and (tmp_path / "oh" / "overhead.json").exists()
 
     def no_rerun(extra):
         raise AssertionError("reran a case")
-    assert gallery.write_results(tmp_path, no_rerun, cases, reuse=True, overhead=overhead).read_text() == page
+    again = gallery.write_results(tmp_path, no_rerun, gallery.CASES, reuse=True, overhead=gallery.OVERHEAD)
+    assert again.read_text() == page
 
 
 def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
@@ -56,7 +55,7 @@ def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
 
     out = gpu_step_time.main(["--preset", "tiny", "--steps", "1", "--repeats", "1",
                               "--json", str(tmp_path / "gpu.json")])
-    assert out["ratio"] > 0 and (tmp_path / "gpu.json").exists()
+    assert out["ratio"]["adaloss-product"] > 0 and out["parameters"] > 0 and (tmp_path / "gpu.json").exists()
 
 
 def test_study_torch_framework(tmp_path, capsys):
@@ -106,18 +105,22 @@ def test_table_reports_mean_and_std_over_seeds():
     assert len(lines[0]) == len(lines[2])  # columns aligned
 
 
-def test_threshold_summary_separates_bound_limited_layers():
+def test_threshold_summary_separates_held_back_scales_from_model_misses():
     from adaloss_study import gallery
 
     record = {"config": {"adaloss": {"threshold": 1e-3}},
               "runs": {"adaloss-product": {
                   "underflow": {"0": {"a": 0.0, "b": 0.5, "c": 0.01}, "50": {"a": 2e-3, "b": 1e-4, "c": 0.0}},
-                  "limited": {"0": ["b"], "50": []}}}}
+                  "predicted": {"0": {"a": 0.0, "b": 0.4, "c": 1e-4}, "50": {"a": 1e-3, "b": 0.0, "c": 0.0}},
+                  "scales": {"0": {"a": 1.0, "b": 2.0, "c": 4.0, "cast:0": 8.0},
+                             "50": {"a": 1.0, "b": 2.0, "c": 4.0, "cast:0": 8.0}},
+                  "limited": {"0": ["b", "cast:0"], "50": []}}}}
     page = "\n".join(gallery._threshold_summary({"case": record}))
-    assert "| case | 6 | 3 | 1 | 2 |" in page  # b@0 limited; a@50 and c@0 are the model's misses
+    # b@0: held back (predicted 0.4); a@50 and c@0: misses (predicted <= T); 2 of 8 decisions limited
+    assert "| case | 6 | 3 | 1 | 2 | 2 / 8 |" in page
     assert "`a`, `c`" in page
     detail = "\n".join(gallery._against_threshold(record))
-    assert "| b | 2.50e-01 | 5.00e-01 | 1 / 2 | 1 |" in detail
+    assert "| b | 2.50e-01 | 5.00e-01 | 2.00e-01 | 1 / 2 |" in detail
 
 
 def test_overhead_mode_times_methods_alternately(tmp_path, capsys):
