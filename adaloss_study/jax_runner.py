@@ -104,9 +104,14 @@ def _loss_fn(graphdef: Any, factor: float) -> Callable[..., jax.Array]:
 
 
 class Trainer:
-    """One method's model, optimizer state and jitted training step (no host sync in :meth:`step`)."""
+    """One method's model, optimizer state and jitted training step (no host sync in :meth:`step`).
 
-    def __init__(self, method: str, cfg: RunConfig, make_model: Callable[[Any, Any, int], Any]) -> None:
+    ``telemetry``: the step also returns the scales (and which decisions a bound
+    limited); off, it returns what a training loop needs (for timing).
+    """
+
+    def __init__(self, method: str, cfg: RunConfig, make_model: Callable[[Any, Any, int], Any],
+                 telemetry: bool = True) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.cfg = method, cfg
@@ -118,9 +123,9 @@ class Trainer:
         self.ada_cfg = None
         if method.startswith("adaloss-"):
             self.ada_cfg = dataclasses.replace(cfg.adaloss, model=method.split("-", 1)[1])
-            self._step, self.state = _adaloss_step(self.loss, self.ada_cfg, cfg.lr, self.params)
+            self._step, self.state = _adaloss_step(self.loss, self.ada_cfg, cfg.lr, self.params, telemetry)
         else:
-            self._step, self.state = _global_step(self.loss, method, cfg, self.params)
+            self._step, self.state = _global_step(self.loss, method, cfg, self.params, telemetry)
 
     def step(self, x: Any, y: Any) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One training step: (loss, skipped, scales) as device arrays."""
@@ -136,7 +141,8 @@ class Trainer:
 _ONE = np.float32(1.0)
 
 
-def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: float, params: Any) -> Any:
+def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: float, params: Any,
+                  telemetry: bool) -> Any:
     """The adaloss step; with ``update_every > 1`` the report's scale cache rides in the state."""
     tx = jax_adaloss.adaloss(inner=optax.adam(lr))
     vg = jax_adaloss.value_and_grad(loss, config=config, return_report=True)
@@ -148,14 +154,17 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: flo
         kwargs = {"adaloss_cache": cache} if cache is not None else {}
         (value, grads), report = vg(params, x, y, _ONE, **kwargs)
         updates, opt_state = tx.update(grads, opt_state, params)
-        scales = {k: r.scale for k, r in report.layers.items()}
-        scales.update({f"{k}#limited": r.unrounded_scale < r.model_scale for k, r in report.layers.items()})
+        scales = {}
+        if telemetry:
+            for k, r in report.layers.items():
+                scales[k], scales[f"{k}#limited"] = r.scale, r.unrounded_scale < r.model_scale
         state = (opt_state, report.cache) if cached else opt_state
         return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
     return step, (tx.init(params), None) if cached else tx.init(params)
 
 
-def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any) -> Any:
+def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any,
+                 telemetry: bool) -> Any:
     adam = optax.adam(cfg.lr)
     scale0 = jmp.StaticLossScale(jnp.float32(cfg.static_scale)) if method == "static" else (
         jmp.DynamicLossScale(jnp.float32(2.0**16)) if method == "dynamic" else jmp.NoOpLossScale())
@@ -172,7 +181,8 @@ def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, pa
         if isinstance(ls, jmp.DynamicLossScale):
             ls = ls.adjust(finite)
         scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else _ONE
-        return (params, (opt_state, ls), ls.unscale(value), {"global": jnp.asarray(scale, jnp.float32)},
+        scales = {"global": jnp.asarray(scale, jnp.float32)} if telemetry else {}
+        return (params, (opt_state, ls), ls.unscale(value), scales,
                 ~finite)
     return step, (adam.init(params), scale0)
 

@@ -33,7 +33,7 @@ def _jax_timer(method: str, cfg: RunConfig, task: Task, batches: list[tuple[np.n
 
     from adaloss_study.jax_runner import Trainer
 
-    t = Trainer(method, cfg, task.flax_model)
+    t = Trainer(method, cfg, task.flax_model, telemetry=False)
     data = [tuple(jax.device_put(a) for a in b) for b in batches]
 
     def run_all() -> None:
