@@ -79,16 +79,16 @@ def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str
     cols = [("val_loss", "val loss", ".4f"), ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
             ("underflow_mean", "underflow mean", ".2e"), ("underflow_max", "underflow max", ".2e"),
             ("step_ms", "ms/step", ".1f")]
-    base = np.array([r["val_loss"] for r in rows[ref]]) if ref in rows else None
-    head = "| method | " + " | ".join(c[1] for c in cols) + (" | vs fp32 |" if base is not None else " |")
-    lines = [head, "|" + "---|" * (len(cols) + 1 + (base is not None))]
+    paired = ref in rows
+    head = "| method | " + " | ".join(c[1] for c in cols) + (" | vs fp32 |" if paired else " |")
+    lines = [head, "|" + "---|" * (len(cols) + 1 + paired)]
     for method, runs in rows.items():
         cells = []
         for key, _, fmt in cols:
             v = np.array([r[key] for r in runs], float)
             cells.append(f"{v.mean():{fmt}}" + (f" ± {v.std():{fmt}}" if len(v) > 1 else ""))
-        if base is not None:
-            rel = 100 * (np.array([r["val_loss"] for r in runs]) / base - 1)
+        if paired:
+            rel = _relative_to(rows, method, ref)
             cells.append(f"{rel.mean():+.2f}%" + (f" ± {rel.std():.2f}" if len(rel) > 1 else ""))
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -152,12 +152,17 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
     return path
 
 
+def _relative_to(rows: dict[str, list[dict[str, float]]], method: str, ref: str) -> np.ndarray:
+    """Per seed: 100·(val loss of ``method`` / val loss of ``ref`` − 1), the seeds paired."""
+    return 100 * (np.array([r["val_loss"] for r in rows[method]])
+                  / np.array([r["val_loss"] for r in rows[ref]]) - 1)
+
+
 def _paired(record: dict[str, Any], method: str, ref: str = "fp32") -> str:
     rows = record["summary"]
     if method not in rows or ref not in rows:
         return "–"
-    rel = 100 * (np.array([r["val_loss"] for r in rows[method]])
-                 / np.array([r["val_loss"] for r in rows[ref]]) - 1)
+    rel = _relative_to(rows, method, ref)
     skipped = int(np.mean([r["skipped"] for r in rows[method]]))
     return f"{rel.mean():+.2f}%" + (f" ({skipped} skipped)" if skipped else "")
 
