@@ -57,12 +57,29 @@ CASES = (
          "zero (dynamic grows ×2 only every 2000 clean steps); adaptive scaling with loose bounds "
          "scales the loss cast by what its statistics ask for. (fp32 itself trains slower "
          "here: Adam's ε = 1e-8 is no longer small against gradients of ~1e-10.)"),
+    Case("loose-bounds", "Looser bounds at the usual loss (×1) and a large one (×1e3)",
+         ("--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3", "--methods", "fp32",
+          "dynamic", "adaloss-product"),
+         "Do the looser bounds that rescue tiny losses cost anything where the default bounds were "
+         "already enough? (The ×1e3 run is the next section.) A scale the bounds no longer hold "
+         "back could overflow a weight gradient, which carries the accumulated scale unguarded: "
+         "such steps would show up as skipped."),
+    Case("loose-bounds-overflow", "Looser bounds, large loss (×1e3)",
+         ("--loss-factor", "1e3", "--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3",
+          "--methods", "fp32", "dynamic", "adaloss-product"),
+         "The overflow case with the looser bounds."),
     Case("overflow-torch", "Large loss (×1e3), PyTorch: torch.amp.GradScaler vs AdaLossScaler",
          ("--framework", "torch", "--loss-factor", "1e3", "--seeds", "3"),
          "The overflow case with the PyTorch bridge and torch's own GradScaler."),
     Case("digits-underflow", "CNN on digits, tiny loss (×1e-6)",
          ("--task", "digits", "--loss-factor", "1e-6", "--steps", "150", "--batch", "64"),
          "A convolutional model: 2 convolutions and a linear head on scikit-learn's 8x8 digits."),
+    Case("digits-loose-bounds", "CNN on digits, tiny loss (×1e-6), looser bounds",
+         ("--task", "digits", "--loss-factor", "1e-6", "--steps", "150", "--batch", "64",
+          "--accum-bound", "1e12", "--layer-bound", "1e12", "--methods", "fp32", "dynamic", "adaloss-product",
+          "adaloss-output", "adaloss-gradient"),
+         "The digits case with the bounds raised (the default bounds held most decisions back: "
+         "see the last table's decisions-limited column)."),
 )
 ADALOSS = ("adaloss-product", "adaloss-output", "adaloss-gradient")
 OVERHEAD = (
