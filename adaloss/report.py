@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from adaloss.config import AdaLossConfig
 
@@ -56,6 +59,27 @@ class LayerUnderflow(NamedTuple):
     predicted: float
     reference_zero: float
     size: int
+
+
+def compare_layers(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any, Any]],
+                   predicted: Callable[[Any, Any], Any],
+                   to_numpy: Callable[[Any], np.ndarray] = np.asarray) -> dict[str, LayerUnderflow]:
+    """Per layer present in both (casts left out): measured and predicted underflow.
+
+    ``low``/``ref``: ``{layer: (cotangent, carried scale)}`` of the low-precision and
+    the reference backward (``ref`` unscaled); ``predicted(reference cotangent,
+    carried scale)`` is the framework's normal-model prediction.
+    """
+    out = {}
+    for name, (g, scale) in low.items():
+        if name.startswith("cast:") or name not in ref:
+            continue
+        r = ref[name][0]
+        g_np, r_np = to_numpy(g), to_numpy(r)
+        out[name] = LayerUnderflow(measured=float(np.mean((g_np == 0) & (r_np != 0))),
+                                   predicted=float(predicted(r, scale)),
+                                   reference_zero=float(np.mean(r_np == 0)), size=int(g_np.size))
+    return out
 
 
 def measurement_config(config: AdaLossConfig | None, loss_scale: float | None) -> AdaLossConfig:

@@ -15,11 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerUnderflow, measurement_config
+from adaloss.report import LayerUnderflow, compare_layers, measurement_config
 from jax_adaloss.api import _value_and_grad
 
 
@@ -50,19 +49,11 @@ def compare_cotangents(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any
     """Per layer present in both (casts left out): measured and predicted underflow.
 
     ``ref``'s cotangents must be unscaled (carried scale 1)."""
-    out = {}
-    for name, (g, scale) in low.items():
-        if name.startswith("cast:") or name not in ref:
-            continue
-        g = np.asarray(g)
-        r = np.asarray(ref[name][0])
-        r32 = jnp.asarray(r, jnp.float32)
-        sigma = jnp.sqrt(solver.variance(solver.tensor_stats(r32, jnp), jnp))
-        pred = solver.predicted_underflow(config, sigma, jnp.asarray(scale, jnp.float32),
+    def predicted(r: Any, scale: Any) -> jax.Array:
+        sigma = jnp.sqrt(solver.variance(solver.tensor_stats(jnp.asarray(r, jnp.float32), jnp), jnp))
+        return solver.predicted_underflow(config, sigma, jnp.asarray(scale, jnp.float32),
                                           jax.scipy.special.erf, jnp)
-        out[name] = LayerUnderflow(measured=float(np.mean((g == 0) & (r != 0))), predicted=float(pred),
-                                   reference_zero=float(np.mean(r == 0)), size=int(g.size))
-    return out
+    return compare_layers(low, ref, predicted)
 
 
 def measure_underflow(fun: Callable[..., Any], reference: Callable[..., Any], *args: Any,

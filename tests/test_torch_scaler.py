@@ -121,8 +121,7 @@ def test_unscale_before_clipping_then_step_does_not_unscale_again():
     scaler = AdaLossScaler(model)
     scaler.scale(_loss(model, x, y)).backward()
     scaler.unscale_(opt)
-    for p, r in zip(model.parameters(), ref):
-        assert float((p.grad - r).abs().max() / r.abs().max()) < 0.1
+    _assert_grads_near(model, ref, 0.1)
     before = [p.grad.clone() for p in model.parameters()]
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     scaler.step(opt)
@@ -265,8 +264,7 @@ def test_apex_scale_loss_context():
     scaler = AdaLossScaler(model)
     with scaler.scale_loss(_loss(model, x, y), opt) as scaled:
         scaled.backward()
-    for p, r in zip(model.parameters(), ref):  # unscaled on exit
-        assert float((p.grad - r).abs().max() / r.abs().max()) < 0.1
+    _assert_grads_near(model, ref, 0.1)  # unscaled on exit
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
@@ -337,6 +335,12 @@ def test_torch_example_runs():
     assert len(out["losses"]) == 3 and out["skipped"] == 0 and out["scales"]
 
 
+def _assert_grads_near(model, ref, tol):
+    """Each parameter's ``.grad`` within ``tol`` of ``ref`` (max error relative to max |ref|)."""
+    for p, r in zip(model.parameters(), ref):
+        assert float((p.grad - r).abs().max() / r.abs().max()) < tol
+
+
 def test_retained_graph_backward_twice_accumulates():
     torch.manual_seed(0)
     model = MLP()
@@ -347,8 +351,7 @@ def test_retained_graph_backward_twice_accumulates():
     scaler.scale(loss).backward(retain_graph=True)
     loss.backward()  # the hooks are still on the retained graph
     scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
-    for p, r in zip(model.parameters(), ref):
-        assert float((p.grad - r).abs().max() / r.abs().max()) < 5e-3
+    _assert_grads_near(model, ref, 5e-3)
 
 
 def test_init_scale_seeds_the_backward():
@@ -360,8 +363,7 @@ def test_init_scale_seeds_the_backward():
     scaler.scale(_loss(model, x, y)).backward()
     assert float(scaler.layer_reports()["cast:0"].incoming_scale) == 1024.0
     scaler.unscale_(torch.optim.SGD(model.parameters(), 0.0))
-    for p, r in zip(model.parameters(), ref):
-        assert float((p.grad - r).abs().max() / r.abs().max()) < 5e-3
+    _assert_grads_near(model, ref, 5e-3)
 
 
 def test_parameters_outside_the_model_are_weights_too():

@@ -14,7 +14,7 @@ import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerUnderflow, measurement_config
+from adaloss.report import LayerUnderflow, compare_layers, measurement_config
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, tensor_stats
@@ -54,17 +54,10 @@ def compare_cotangents(low: dict[str, tuple[torch.Tensor, torch.Tensor]],
     """Per layer present in both (casts left out): measured and predicted underflow.
 
     ``ref``'s cotangents must be unscaled (carried scale 1)."""
-    out = {}
-    for name, (g, scale) in low.items():
-        if name.startswith("cast:") or name not in ref:
-            continue
-        r = ref[name][0]
+    def predicted(r: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         sigma = torch.sqrt(solver.variance(tensor_stats(r), xp))
-        pred = solver.predicted_underflow(config, sigma, scale.to(torch.float32), torch.special.erf, xp)
-        out[name] = LayerUnderflow(measured=float(((g == 0) & (r != 0)).float().mean()),
-                                   predicted=float(pred), reference_zero=float((r == 0).float().mean()),
-                                   size=g.numel())
-    return out
+        return solver.predicted_underflow(config, sigma, scale.to(torch.float32), torch.special.erf, xp)
+    return compare_layers(low, ref, predicted, lambda t: t.detach().cpu().numpy())
 
 
 def measure_underflow(model: torch.nn.Module, loss_low: Callable[[], torch.Tensor],
