@@ -19,12 +19,12 @@ import numpy as np
 StatModel = Literal["product", "output", "gradient"]
 STAT_MODELS: tuple[str, ...] = ("product", "output", "gradient")
 
-#: Gradient number formats the solver knows, by name.
+#: Gradient number formats, by name: the format of the cotangents the decisions govern
+#: (a cotangent in another 16-bit format is refused). fp8 formats are not offered: no
+#: cotangent is ever stored in fp8, so their limits would describe nothing.
 GRAD_FORMATS: dict[str, type] = {
     "float16": np.float16,
     "bfloat16": ml_dtypes.bfloat16,
-    "float8_e5m2": ml_dtypes.float8_e5m2,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
 }
 
 
@@ -68,8 +68,10 @@ class AdaLossConfig:
       accum_bound: largest accumulated scale a gradient may carry; ``None``: ``u_max``.
       power_of_two: round every scale down to a power of two (exact rescaling).
       init_scale: scale multiplied into the loss cotangent before backprop.
-      grad_format: number format of the gradients: ``float16``, ``bfloat16``,
-        ``float8_e5m2`` or ``float8_e4m3fn``. ``u_min``/``u_max`` come from it.
+      grad_format: number format of the low-precision cotangents: ``float16`` or
+        ``bfloat16``; ``u_min``/``u_max`` come from it. It must be the dtype the model's
+        backward runs in: a layer or cast whose cotangent is in another 16-bit format
+        raises ``ValueError``.
       u_min: override of the format's smallest subnormal (the authors used 6.0e-8).
       u_max: override of the format's largest finite value.
       update_every: recompute the statistical part of each layer's scale every

@@ -41,6 +41,29 @@ class LayerReport(NamedTuple):
     unrounded_scale: Array
 
 
+class Coverage(NamedTuple):
+    """Where per-layer scaling engaged in one backward.
+
+    Attributes:
+      weighted_ops: matmuls and convolutions on the differentiated path (outside
+        opaque regions).
+      layers: of those, the layers that got their own scale (one operand from the
+        weights, the other from data that needs a gradient).
+      opaque_regions: regions whose inside gets no per-layer scale: in JAX
+        ``scan``/``while``/``cond`` or custom-rule bodies holding matmuls; in torch
+        ``torch.compile``d regions, reentrant checkpoints and custom autograd
+        Functions that use parameters.
+    """
+
+    weighted_ops: int
+    layers: int
+    opaque_regions: int
+
+
+class AdaLossCoverageWarning(UserWarning):
+    """Per-layer scaling did not engage where it should: the message says why and what to do."""
+
+
 class LayerUnderflow(NamedTuple):
     """Measured and predicted underflow of the cotangent entering one layer.
 

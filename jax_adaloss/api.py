@@ -11,20 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaloss.config import AdaLossConfig
+from jax_adaloss import _nnx
 from jax_adaloss.backward import _is_float, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
 from jax_adaloss.scaled_grad import ScaledGrad
 
 CACHE_KWARG = "adaloss_cache"
 
-
-def _argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
-    if isinstance(argnums, int):
-        return (argnums,)
-    out = tuple(argnums)
-    if not out or not all(isinstance(a, int) for a in out):
-        raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}")
-    return out
+Argnums = Any  # int | nnx.DiffState | a sequence of them
 
 
 def _is_array(x: Any) -> bool:
@@ -32,17 +26,38 @@ def _is_array(x: Any) -> bool:
 
 
 def _leaf_name(argi: int, path: Any, prefixed: bool) -> str:
-    """``a/b/c`` path of a differentiated leaf (``argN/…`` when several args are differentiated)."""
-    rest = jax.tree_util.keystr(path, simple=True, separator="/")
+    """``a/b/c`` path of a differentiated leaf (``argN/…`` when several args are differentiated);
+    an nnx ``Variable``'s trailing ``/value`` is left out."""
+    keys = list(path)
+    if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
+        keys = keys[:-1]
+    rest = jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
     if not rest:
         return f"arg{argi}"
     return f"arg{argi}/{rest}" if prefixed else rest
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
-                   has_aux: bool = False, *, config: AdaLossConfig | None = None,
-                   allow_int: bool = False, return_report: bool = False,
-                   capture_cotangents: bool = False) -> Callable[..., Any]:
+def _weight_nums(weights: int | Sequence[int] | None, pos: tuple[int, ...], n: int
+                 ) -> tuple[int, ...] | None:
+    """Positions of the weight arguments (``None``: the default), checked against ``pos``,
+    the differentiated positions."""
+    if weights is None:
+        return None
+    out = (weights,) if isinstance(weights, int) else tuple(weights)
+    if not out or not all(isinstance(a, int) and not isinstance(a, bool) for a in out):
+        raise TypeError(f"weights must be an int or a non-empty sequence of ints, got {weights!r}")
+    out = tuple(a % n if -n <= a < n else a for a in out)
+    stray = [a for a in out if a not in pos]
+    if stray:
+        raise ValueError(f"weights={weights!r} names argument(s) {stray} that are not differentiated "
+                         f"(argnums={pos}); weights must be a subset of argnums")
+    return out
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False, *,
+                   config: AdaLossConfig | None = None, allow_int: bool = False,
+                   return_report: bool = False, capture_cotangents: bool = False,
+                   weights: int | Sequence[int] | None = None, wrt: Any = None) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, with adaptive per-layer loss scaling in the backward.
 
     Every float leaf of the gradient is a :class:`ScaledGrad` (``value / scale``
@@ -50,57 +65,72 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     ``ScaledGrad.unscale``). ``fun`` must return a real scalar (or
     ``(scalar, aux)`` with ``has_aux``).
 
+    Weights and data: a matmul or convolution is a *layer* (it gets its own
+    scale) when one operand is computed from the weights only, through casts,
+    transposes, reshapes, constants and scalar factors, and the other from data.
+    The weights are the leaves of the arguments named by ``weights`` (default: the
+    first of ``argnums``; with Flax nnx, every differentiated Module). Everything
+    else is data: other arguments, keyword arguments, arrays ``fun`` closes over
+    (the batch in a jitted train step) and anything computed from them. Name the
+    weight arguments when inputs are differentiated too, e.g.
+    ``value_and_grad(f, argnums=(0, 1), weights=0)(params, x)``.
+
+    Flax nnx Modules may be passed as arguments, as to ``nnx.value_and_grad``:
+    only their ``wrt`` state is differentiated (default ``nnx.Param``; a filter,
+    or ``argnums=nnx.DiffState(i, filter)``), the gradient is an ``nnx.State``,
+    and their other state (BatchNorm statistics, RNG counts) is written back.
+
     With ``return_report=True`` the function returns ``((value, grads), report)``,
-    a :class:`BackwardReport` with per-layer scales and statistics. With
-    ``config.update_every > 1`` pass the previous report's ``cache`` as the
-    keyword argument ``adaloss_cache=`` (it is not forwarded to ``fun``).
-    ``capture_cotangents=True`` (with ``return_report``) also puts each layer's
-    incoming cotangent in ``report.cotangents``, for underflow measurements.
+    a :class:`BackwardReport` with per-layer scales, statistics and coverage
+    counts. With ``config.update_every > 1`` pass the previous report's
+    ``cache`` as the keyword argument ``adaloss_cache=`` (it is not forwarded to
+    ``fun``). ``capture_cotangents=True`` (with ``return_report``) also puts each
+    layer's incoming cotangent in ``report.cotangents``, for underflow measurements.
     """
     return _value_and_grad(fun, argnums, has_aux, config, allow_int, return_report, capture_cotangents,
-                           adaptive=True)
+                           adaptive=True, weights=weights, wrt=wrt)
 
 
-def _value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool,
+def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
                     config: AdaLossConfig | None, allow_int: bool, return_report: bool,
-                    capture_cotangents: bool, adaptive: bool) -> Callable[..., Any]:
+                    capture_cotangents: bool, adaptive: bool,
+                    weights: int | Sequence[int] | None = None, wrt: Any = None) -> Callable[..., Any]:
     """:func:`value_and_grad`; ``adaptive=False`` scales by ``config.init_scale`` only
     (a global loss scale, for measurements)."""
     config = AdaLossConfig() if config is None else config
     if not isinstance(config, AdaLossConfig):
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
-    nums = _argnums_tuple(argnums)
+    nums, filters = _nnx.parse_argnums(argnums, wrt)
     if capture_cotangents and not return_report:
         raise ValueError("capture_cotangents=True needs return_report=True (they are in the report)")
     if config.update_every > 1 and not return_report:
         raise ValueError("AdaLossConfig.update_every > 1 needs return_report=True, so that "
                          "report.cache can be passed back as adaloss_cache=")
+    single = isinstance(argnums, int) or _nnx.is_diff_state(argnums)
 
-    @functools.wraps(fun)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        cache: ScaleCache | None = kwargs.pop(CACHE_KWARG, None)
-        for a in nums:
-            if not -len(args) <= a < len(args):
-                raise TypeError(f"differentiating with respect to argnums={argnums} requires "
-                                f"at least {a + 1} positional arguments, got {len(args)}")
-        nums_pos = tuple(a % len(args) for a in nums)
-        leaves, treedef = jax.tree_util.tree_flatten(list(args))
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(list(args))[0]]
+    def core(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             nums_pos: tuple[int, ...], weight_pos: tuple[int, ...], cache: ScaleCache | None,
+             aux_out: bool) -> tuple[Any, Any, list[Any], BackwardReport]:
+        with_path, treedef = jax.tree_util.tree_flatten_with_path((list(args), kwargs))
+        flat = [leaf for _, leaf in with_path]
         dyn: list[int] = []
-        names: list[str | None] = []
-        flat = list(leaves)
-        for i, (path, leaf) in enumerate(zip(paths, leaves)):
-            argi = path[0].idx
-            if argi in nums_pos:
-                leaf = jnp.asarray(leaf)
-                _check_diff_dtype(leaf.dtype, allow_int)
+        origins: list[str | None] = []  # weight name of a dynamic leaf, None for data
+        diff: list[bool] = []
+        for i, (path, leaf) in enumerate(with_path):
+            in_args = path[0].idx == 0
+            argi = path[1].idx if in_args else -1
+            if in_args and argi in nums_pos:
+                leaf = _as_diff_leaf(leaf, path, allow_int)
                 flat[i] = leaf
-                name = _leaf_name(argi, path[1:], prefixed=len(nums_pos) > 1)
+                is_float = _is_float(leaf.dtype)
                 dyn.append(i)
-                names.append(name if _is_float(leaf.dtype) else None)
+                diff.append(is_float)
+                origins.append(_leaf_name(argi, path[2:], prefixed=len(nums_pos) > 1)
+                               if is_float and argi in weight_pos else None)
             elif _is_array(leaf):
                 dyn.append(i)
-                names.append(None)
+                diff.append(False)
+                origins.append(None)
 
         out_store: dict[str, Any] = {}
 
@@ -108,9 +138,10 @@ def _value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int], has_a
             full = list(flat)
             for i, x in zip(dyn, dyn_leaves):
                 full[i] = x
-            out = fun(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            out = f(*call_args, **call_kwargs)
             aux = None
-            if has_aux:
+            if aux_out:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise TypeError("has_aux=True requires fun to return a (value, aux) pair")
                 out, aux = out
@@ -120,15 +151,13 @@ def _value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int], has_a
 
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
-        outs, cts, report = scaled_backward(closed, dyn_vals, names, config, cache,
+        outs, cts, report = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
                                              capture_cotangents, adaptive)
-        value = outs[0]
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
-
         grad_leaves: list[Any] = list(flat)
-        for i, name, ct in zip(dyn, names, cts):
+        for i, d, ct in zip(dyn, diff, cts):
             leaf = flat[i]
-            if name is not None:
+            if d:
                 if ct is None:
                     grad_leaves[i] = ScaledGrad(jnp.zeros_like(leaf), jnp.ones((), jnp.float32))
                 else:
@@ -136,25 +165,43 @@ def _value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int], has_a
                                                 jnp.asarray(ct[1], jnp.float32))
             elif _is_array(leaf) and not _is_float(jnp.result_type(leaf)):
                 grad_leaves[i] = np.zeros(np.shape(leaf), jax.dtypes.float0)
-        grads_all = jax.tree_util.tree_unflatten(treedef, grad_leaves)
-        grads = grads_all[nums[0]] if isinstance(argnums, int) else \
-            tuple(grads_all[a] for a in nums)
+        grads_args, _ = jax.tree_util.tree_unflatten(treedef, grad_leaves)
+        return outs[0], aux, grads_args, report
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        cache: ScaleCache | None = kwargs.pop(CACHE_KWARG, None)
+        n = len(args)
+        for a in nums:
+            if not -n <= a < n:
+                raise TypeError(f"differentiating with respect to argnums={nums} requires "
+                                f"at least {max(nums) + 1} positional arguments, got {n}")
+        pos = tuple(a % n for a in nums)
+        wpos = _weight_nums(weights, pos, n)
+        if _nnx.has_graph_nodes((args, kwargs)):
+            value, aux, grads_args, report = _nnx.call(core, fun, args, kwargs, pos, wpos, filters,
+                                                       has_aux, cache)
+        else:
+            value, aux, grads_args, report = core(fun, args, kwargs, pos, wpos or pos[:1], cache, has_aux)
+        grads = grads_args[pos[0]] if single else tuple(grads_args[a] for a in pos)
         result = ((value, aux), grads) if has_aux else (value, grads)
         return (result, report) if return_report else result
 
     return wrapped
 
 
-def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
+def grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False,
          *, config: AdaLossConfig | None = None, allow_int: bool = False,
-         return_report: bool = False, capture_cotangents: bool = False) -> Callable[..., Any]:
+         return_report: bool = False, capture_cotangents: bool = False,
+         weights: int | Sequence[int] | None = None, wrt: Any = None) -> Callable[..., Any]:
     """Like ``jax.grad``, with adaptive per-layer loss scaling; see :func:`value_and_grad`.
 
     Returns ``grads`` (``(grads, aux)`` with ``has_aux``), and with
     ``return_report=True`` the pair ``(that, report)``.
     """
     vg = value_and_grad(fun, argnums, has_aux, config=config, allow_int=allow_int,
-                        return_report=return_report, capture_cotangents=capture_cotangents)
+                        return_report=return_report, capture_cotangents=capture_cotangents,
+                        weights=weights, wrt=wrt)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -165,6 +212,21 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
         return (result, report) if return_report else result
 
     return wrapped
+
+
+def _as_diff_leaf(leaf: Any, path: Any, allow_int: bool) -> jax.Array:
+    """A differentiated leaf as an array, or a clear error (a function or other object in a
+    differentiated argument: e.g. an Equinox module's activation, see the README)."""
+    if not (_is_array(leaf) or isinstance(leaf, (int, float, bool))):
+        where = jax.tree_util.keystr(tuple(path[1:]))
+        raise TypeError(
+            f"differentiated argument leaf {where} is a {type(leaf).__name__}, not an array. "
+            "Differentiate only the array leaves: for Equinox, split the model with "
+            "eqx.partition(model, eqx.is_inexact_array) and pass the arrays as the differentiated "
+            "argument (see the README).")
+    leaf = jnp.asarray(leaf)
+    _check_diff_dtype(leaf.dtype, allow_int)
+    return leaf
 
 
 def _check_diff_dtype(dtype: Any, allow_int: bool) -> None:

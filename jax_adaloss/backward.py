@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,13 +35,15 @@ import numpy as np
 from jax.extend import core as jcore
 
 from adaloss import solver
-from adaloss.config import AdaLossConfig
+from adaloss.config import GRAD_FORMATS, AdaLossConfig
+from adaloss.report import AdaLossCoverageWarning, Coverage
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 _WEIGHTED = ("dot_general", "conv_general_dilated")
+_SCALAR_FACTOR = ("mul", "div")
 _F32 = jnp.float32
 
 
@@ -48,12 +51,15 @@ def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _combine(origins: Sequence[str | None]) -> str | None:
-    """Origin of an output: ``None`` (activation) if any input is one, else the
-    first weight name, else ``_CONST``."""
+def _combine(origins: Sequence[str | None], sizes: Sequence[int], prim: str) -> str | None:
+    """Origin of an output: a weight name if the inputs are weights and constants (a
+    ``mul``/``div`` by a data scalar too: a scalar factor); ``_CONST`` if all are
+    constants; else ``None`` (data: any data operand, e.g. a matmul with the batch)."""
+    names = [o for o in origins if o is not None and o != _CONST]
     if any(o is None for o in origins):
-        return None
-    names = [o for o in origins if o != _CONST]
+        scalar_factor = prim in _SCALAR_FACTOR and names and all(
+            n == 1 for o, n in zip(origins, sizes) if o is None)
+        return names[0] if scalar_factor else None
     return names[0] if names else _CONST
 
 
@@ -84,6 +90,11 @@ class _Tape:
         self._consts = 0
         self._casts = 0
         self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
+        self.grad_dtype = jnp.dtype(GRAD_FORMATS[config.grad_format])
+        self.weighted_ops = 0  # matmuls/convolutions on the differentiated path
+        self.data_path_ops = 0  # of those, with a data operand that needs a gradient
+        self.opaque: list[tuple[str, int]] = []  # (primitive, matmuls inside) of opaque regions
+        self.missed: list[str] = []  # why a weighted op with a weight operand got no scale
 
     def slot(self, value: Any, origin: str | None, needs: bool) -> int:
         self.values.append(value)
@@ -150,7 +161,7 @@ class _Tape:
             out_vals, vjp = jax.vjp(f, *[vals[i] for i in diff])
         else:
             out_vals, vjp = bind(*vals), None
-        origin = _combine([self.origin[s] for s in ins])
+        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], prim.name)
         outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
                 for v in out_vals]
         node = _Node("op", ins, outs, vjp, diff)
@@ -161,13 +172,22 @@ class _Tape:
 
     def _classify(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
         prim = eqn.primitive.name
+        inner = _weighted_inside(eqn.params)
+        if inner:  # scan/while/cond or a custom rule: no per-layer scale inside
+            self.opaque.append((prim, inner))
         if prim in _WEIGHTED and len(node.ins) == 2:
             origins = [self.origin[s] for s in node.ins]
+            self.weighted_ops += 1
+            if any(o is None and i in node.diff for i, o in enumerate(origins)):
+                self.data_path_ops += 1
             weights = [i for i in (0, 1) if origins[i] is not None]
-            if len(weights) != 1 or (prim == "conv_general_dilated" and weights[0] != 1):
-                return
+            if len(weights) != 1:
+                return  # data·data (attention) or weight·weight (a factored weight)
             w, x = weights[0], 1 - weights[0]
             if x not in node.diff:
+                return  # the first layer: its input needs no gradient
+            if prim == "conv_general_dilated" and w != 1:
+                self.missed.append("a convolution whose weight is its lhs operand")
                 return
             name = origins[w]
             if name == _CONST:
@@ -178,6 +198,7 @@ class _Tape:
             node.wgt = node.diff.index(w) if w in node.diff else -1
             node.weight = vals[w]
             node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
+            self._check_format(jnp.result_type(self.values[node.outs[0]]), f"layer {node.name}")
         elif (prim == "convert_element_type" and self.config.cast_rule
               and node.diff == (0,)):
             src = jnp.dtype(jnp.result_type(vals[0]))
@@ -186,6 +207,59 @@ class _Tape:
                     and src.itemsize <= 2:
                 node.kind, node.name = "cast", f"cast:{self._casts}"
                 self._casts += 1
+                self._check_format(src, f"{node.name} (a {dst.name} → {src.name} cotangent cast)")
+
+    def _check_format(self, dtype: Any, where: str) -> None:
+        """A cotangent in a 16-bit (or narrower) float format must be ``config.grad_format``."""
+        dtype = jnp.dtype(dtype)
+        if dtype.itemsize <= 2 and dtype != self.grad_dtype:
+            raise ValueError(
+                f"AdaLossConfig.grad_format={self.config.grad_format!r}, but the cotangent of {where} "
+                f"is {dtype.name}: its limits (u_min, u_max) would be wrong. Set "
+                f"AdaLossConfig(grad_format={dtype.name!r}).")
+
+    def coverage(self) -> Coverage:
+        return Coverage(weighted_ops=self.weighted_ops, layers=self.layers_found,
+                        opaque_regions=len(self.opaque))
+
+    @property
+    def layers_found(self) -> int:
+        return sum(1 for n in self.nodes if n.kind == "layer")
+
+    def warn_coverage(self, weight_args: str) -> None:
+        """Say once (per trace) when matmuls/convolutions that should scale do not."""
+        problems = []
+        if self.opaque:
+            kinds = sorted({p for p, _ in self.opaque})
+            problems.append(
+                f"{sum(n for _, n in self.opaque)} matmul/convolution ops inside {len(self.opaque)} "
+                f"{'/'.join(kinds)} region(s) get no per-layer scale (the scale entering the region "
+                "passes through it); unroll the loop or call the layers outside the region to scale them")
+        if self.missed:
+            problems.append(f"{len(self.missed)} weighted op(s) not scaled: {sorted(set(self.missed))}")
+        if self.layers_found == 0 and self.data_path_ops:
+            problems.append(
+                f"no layer found among {self.data_path_ops} matmul/convolution ops on the data path: none "
+                f"has an operand computed from the weights alone ({weight_args}). If the weights are in "
+                "another differentiated argument, pass weights=<its position>; weights passed as "
+                "non-differentiated arguments, or transformed with the data, are data")
+        if problems:
+            warnings.warn("adaptive loss scaling: " + "; ".join(problems) + ".", AdaLossCoverageWarning,
+                          stacklevel=4)
+
+
+def _weighted_inside(params: dict[str, Any]) -> int:
+    """Matmuls/convolutions in the sub-jaxprs of an equation's params (scan, while, cond,
+    custom_jvp/custom_vjp bodies), recursively."""
+    total = 0
+    for v in params.values():
+        for sub in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(sub, jcore.ClosedJaxpr):
+                sub = sub.jaxpr
+            if isinstance(sub, jcore.Jaxpr):
+                for e in sub.eqns:
+                    total += (e.primitive.name in _WEIGHTED) + _weighted_inside(e.params)
+    return total
 
 
 def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
@@ -328,7 +402,8 @@ class _Sweep:
 
     def report(self) -> BackwardReport:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
-        return BackwardReport(self.layers, cache, self.captured, self.captured_scales)
+        return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
+                              self.tape.coverage())
 
 
 def _sum(xs: list[Any]) -> Any:
@@ -354,27 +429,31 @@ def _zero_ct(value: Any) -> Any:
     return np.zeros(np.shape(value), jax.dtypes.float0)
 
 
-def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any],
-                    diff_names: Sequence[str | None], config: AdaLossConfig,
+def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Sequence[bool],
+                    origins: Sequence[str | None], config: AdaLossConfig,
                     cache: ScaleCache | None, capture: bool = False, adaptive: bool = True
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
-    ``diff_names[i]`` names flat argument ``i`` if it is differentiated (``None``
-    otherwise); ``capture`` keeps each layer's incoming cotangent in the report;
-    ``adaptive=False`` applies no per-layer scale (one global scale: ``init_scale``).
-    Returns the outputs, ``(cotangent, scale)`` (or ``None``: unused)
-    per flat argument, and the report.
+    ``diff[i]``: flat argument ``i`` is differentiated; ``origins[i]``: its weight name
+    (``None``: data, differentiated or not). The jaxpr's constants (arrays the function
+    closed over: an outer ``jit``'s batch) are data. ``capture`` keeps each layer's
+    incoming cotangent in the report; ``adaptive=False`` applies no per-layer scale
+    (one global scale: ``init_scale``). Returns the outputs, ``(cotangent, scale)``
+    (or ``None``: not differentiated, or unused) per flat argument, and the report.
     """
     tape = _Tape(config)
-    in_slots = [tape.slot(a, n, n is not None) for a, n in zip(flat_args, diff_names)]
-    consts = [tape.slot(c, _CONST, False) for c in jaxpr.consts]
+    in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
+    consts = [tape.slot(c, None, False) for c in jaxpr.consts]
     out_slots = tape.run(jaxpr.jaxpr, consts, in_slots)
+    if adaptive:
+        names = sorted({o.split("/")[0] for o in origins if o is not None})
+        tape.warn_coverage(f"weight leaves under {', '.join(names)}" if names else "no weight leaves")
     outs = [tape.values[s] for s in out_slots]
     sweep = _Sweep(tape, config, cache, capture, adaptive)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))
     sweep.run(out_slots[0], seed, seed_scale)
-    grads = [sweep.take(s) if n is not None else None for s, n in zip(in_slots, diff_names)]
+    grads = [sweep.take(s) if d else None for s, d in zip(in_slots, diff)]
     return outs, grads, sweep.report()

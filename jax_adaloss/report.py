@@ -6,9 +6,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from adaloss.report import LayerReport
+from adaloss.report import Coverage, LayerReport
 
-__all__ = ["BackwardReport", "LayerReport", "ScaleCache"]
+__all__ = ["BackwardReport", "Coverage", "LayerReport", "ScaleCache"]
 
 
 class ScaleCache(NamedTuple):
@@ -31,10 +31,12 @@ class BackwardReport(NamedTuple):
     weight); a narrowing cast ``cast:k`` (k-th in forward order). ``cotangents``
     holds each layer's incoming cotangent (as carried, i.e. multiplied by its
     incoming scale) when requested with ``capture_cotangents=True``, else is empty;
-    ``cotangent_scales`` the scale each of those carries.
+    ``cotangent_scales`` the scale each of those carries. ``coverage`` counts the
+    matmuls/convolutions seen, the layers scaled and the opaque regions.
     """
 
     layers: dict[str, LayerReport]
     cache: ScaleCache
     cotangents: dict[str, jax.Array]
     cotangent_scales: dict[str, jax.Array]
+    coverage: Coverage

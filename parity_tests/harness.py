@@ -1,9 +1,13 @@
-"""Train a Flax model and its torch twin side by side; record every scale decision.
+"""Train a Flax model and its torch twin in lockstep; record every scale decision.
 
-Each step both frameworks run the fp16 adaptive backward and an fp32 backward at
-the same weights (capturing each layer's incoming cotangent), record the
-per-layer scales and the measured underflow rates, and take an SGD step with
-their own gradients (skipped when a gradient is not finite).
+Each step both frameworks run, at the same weights, the fp16 adaptive backward and
+an fp32 backward (capturing each layer's incoming cotangent), and record the
+per-layer scales, the measured underflow rates and the unscaled gradients. The
+weights follow JAX's SGD trajectory (skipped when a gradient is not finite) and
+are loaded into the torch twin before every step: trained separately, the two
+drift apart by rounding, and measured underflow at a later step (a count of
+entries near the flush threshold) then compares different weights, which
+differs from machine to machine.
 """
 
 from __future__ import annotations
@@ -17,18 +21,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from twin_models import PAIRS, flax_xent, load_flax, torch_name, torch_xent
+from twin_models import PAIRS, flax_xent, load_flax, to_torch_layout, torch_name, torch_xent
 
 import jax_adaloss
 import torch_bridge
 from adaloss.config import AdaLossConfig
+from adaloss_zoo.metrics import relative_error
 from jax_adaloss.underflow import compare_cotangents as compare_jax
 from torch_bridge.underflow import compare_cotangents as compare_torch
 
 
 @dataclasses.dataclass
 class StepRecord:
-    """One step of one framework; layer names in torch's spelling."""
+    """One step of one framework; layer and parameter names in torch's spelling."""
 
     scale: dict[str, float]
     unrounded: dict[str, float]
@@ -37,6 +42,7 @@ class StepRecord:
     skipped: bool
     loss: float
     order: list[str] = dataclasses.field(default_factory=list)  # layers in forward order
+    grads: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # unscaled, torch layout
 
 
 def _data(name: str, step: int, seed: int) -> tuple[Any, Any, np.ndarray]:
@@ -49,71 +55,66 @@ def init_params(name: str, seed: int) -> Any:
     return cls(dtype=jnp.float32).init(jax.random.key(seed + 1), x)
 
 
-def run_jax(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor: float,
-            seed: int = 0) -> list[StepRecord]:
+def _torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, factor: float) -> torch.Tensor:
+    return factor * torch_xent(model(x), y)
+
+
+def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor: float,
+             seed: int = 0) -> tuple[list[StepRecord], list[StepRecord]]:
+    """``steps`` steps of both frameworks at the same weights: (JAX records, torch records)."""
     cls = PAIRS[name][0]
     params = init_params(name, seed)
 
     def loss(p: Any, x: Any, y: Any, dt: Any) -> jax.Array:
         return loss_factor * flax_xent(cls(dtype=dt).apply(p, x), y)
 
-    def vg(dt: Any) -> Any:
-        return jax.jit(jax_adaloss.value_and_grad(functools.partial(loss, dt=dt), config=config,
-                                                  return_report=True, capture_cotangents=True))
-
-    vg16 = vg(jnp.float16)
+    vg16 = jax.jit(jax_adaloss.value_and_grad(functools.partial(loss, dt=jnp.float16), config=config,
+                                              return_report=True, capture_cotangents=True))
     loss32 = functools.partial(loss, dt=jnp.float32)
-    records = []
+    model = PAIRS[name][1]()
+    scaler = torch_bridge.AdaLossScaler(model, config, capture=True)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    jax_records, torch_records = [], []
     for step in range(steps):
-        x, _, y = _data(name, step, seed)
+        x, xt, y = _data(name, step, seed)
+        # JAX
         (value, grads), rep = vg16(params, x, y)
         ref = jax_adaloss.layer_cotangents(loss32, params, x, y, loss_scale=1.0, config=config)
         plain = jax_adaloss.unscale_tree(grads)
         finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(plain))
         low = {k: (v, rep.cotangent_scales[k]) for k, v in rep.cotangents.items()}
         under = {torch_name(k): u.measured for k, u in compare_jax(low, ref, config).items()}
-        records.append(StepRecord(
+        jax_records.append(StepRecord(
             scale={torch_name(k): float(r.scale) for k, r in rep.layers.items()},
             unrounded={torch_name(k): float(r.unrounded_scale) for k, r in rep.layers.items()},
             incoming={torch_name(k): float(r.incoming_scale) for k, r in rep.layers.items()},
-            underflow=under, skipped=not finite, loss=float(value)))
-        if finite:
-            params = jax.tree_util.tree_map(lambda p, g: p - lr * g.astype(p.dtype), params, plain)
-    return records
-
-
-def _torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, factor: float) -> torch.Tensor:
-    return factor * torch_xent(model(x), y)
-
-
-def run_torch(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor: float,
-              seed: int = 0) -> list[StepRecord]:
-    model = PAIRS[name][1]()
-    load_flax(model, init_params(name, seed))
-    scaler = torch_bridge.AdaLossScaler(model, config, capture=True)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    records = []
-    for step in range(steps):
-        _, x, y = _data(name, step, seed)
-        y = torch.from_numpy(y.astype(np.int64))
-        ref = torch_bridge.layer_cotangents(model, functools.partial(_torch_loss, model, x, y, loss_factor),
-                                            loss_scale=1.0, config=config)
+            underflow=under, skipped=not finite, loss=float(value), grads=to_torch_layout(plain)))
+        # torch, at the same weights
+        load_flax(model, params)
+        yt = torch.from_numpy(y.astype(np.int64))
+        tref = torch_bridge.layer_cotangents(model, functools.partial(_torch_loss, model, xt, yt, loss_factor),
+                                             loss_scale=1.0, config=config)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            value = loss_factor * torch_xent(model(x), y)
+            tvalue = loss_factor * torch_xent(model(xt), yt)
         skipped_before = scaler.skipped_steps
-        scaler.scale(value).backward()
+        scaler.scale(tvalue).backward()
         reps = scaler.layer_reports()
-        low = scaler.captured_cotangents()
+        tlow = scaler.captured_cotangents()
+        scaler.unscale_(opt)
+        tgrads = {n: p.grad.detach().float().numpy().copy() for n, p in model.named_parameters()
+                  if p.grad is not None}
         scaler.step(opt)
         scaler.update()
-        records.append(StepRecord(
+        torch_records.append(StepRecord(
             scale={k: float(r.scale) for k, r in reps.items()},
             unrounded={k: float(r.unrounded_scale) for k, r in reps.items()},
             incoming={k: float(r.incoming_scale) for k, r in reps.items()},
-            underflow={k: u.measured for k, u in compare_torch(low, ref, config).items()},
-            skipped=scaler.skipped_steps > skipped_before, loss=float(value.detach())))
-    return records
+            underflow={k: u.measured for k, u in compare_torch(tlow, tref, config).items()},
+            skipped=scaler.skipped_steps > skipped_before, loss=float(tvalue.detach()), grads=tgrads))
+        if finite:
+            params = jax.tree_util.tree_map(lambda p, g: p - lr * g.astype(p.dtype), params, plain)
+    return jax_records, torch_records
 
 
 def near_power_of_two(value: float, rel: float) -> bool:
@@ -128,14 +129,25 @@ class Comparison:
     mismatches: list[str]  # unexplained: failures
     boundary: list[str]  # explained: a decision within rounding of a power of two (and what follows it)
     underflow_diffs: list[str]  # layers whose measured rates differ by more than the tolerance
+    grad_diffs: list[str] = dataclasses.field(default_factory=list)  # gradients further apart than grad_tol
+    worst_grad: float = 0.0  # the largest relative gradient difference compared
 
 
 def compare(jx: list[StepRecord], tr: list[StepRecord], rel: float = 1e-3,
-            underflow_tol: float = 1e-3) -> Comparison:
+            underflow_tol: float = 1e-3, mean_underflow_tol: float = 1.0,
+            grad_tol: float = float("inf")) -> Comparison:
     """Scales bitwise; a difference is explained only when the decision lies within ``rel`` of
     a power-of-two boundary in either framework, or when the incoming scale already differs
-    because of such a decision earlier in the same backward."""
+    because of such a decision earlier in the same backward. Measured underflow per layer
+    and step within ``underflow_tol``, and its mean over the steps within
+    ``mean_underflow_tol``. Unscaled gradients of steps neither framework skipped, with no
+    boundary case, within ``grad_tol`` (relative)."""
     out = Comparison([], [], [])
+    layers = set.intersection(*(set(r.underflow) for r in jx + tr)) if jx else set()
+    for k in sorted(layers):
+        a, b = np.mean([r.underflow[k] for r in jx]), np.mean([r.underflow[k] for r in tr])
+        if abs(a - b) > mean_underflow_tol:
+            out.underflow_diffs.append(f"{k}: mean over {len(jx)} steps jax {a:.2e}, torch {b:.2e}")
     for step, (a, b) in enumerate(zip(jx, tr)):
         if set(a.scale) != set(b.scale):
             out.mismatches.append(f"step {step}: layers differ: {sorted(set(a.scale) ^ set(b.scale))}")
@@ -162,4 +174,13 @@ def compare(jx: list[StepRecord], tr: list[StepRecord], rel: float = 1e-3,
             if abs(a.underflow[k] - b.underflow[k]) > underflow_tol:
                 out.underflow_diffs.append(f"step {step} {k}: jax {a.underflow[k]:.2e}, "
                                            f"torch {b.underflow[k]:.2e}")
+        if affected or a.skipped or b.skipped:
+            continue
+        for k in sorted(set(a.grads) & set(b.grads)):
+            if not np.any(a.grads[k]):
+                continue
+            err = relative_error(b.grads[k], a.grads[k])
+            out.worst_grad = max(out.worst_grad, err)
+            if err > grad_tol:
+                out.grad_diffs.append(f"step {step} {k}: gradients differ by {err:.2e} (relative)")
     return out

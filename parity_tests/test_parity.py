@@ -1,23 +1,41 @@
 """The same models, weights, inputs and SGD in Flax (``jax_adaloss``) and torch
-(``torch_bridge``): every layer's scale must be identical, bit for bit, at every
-step; skip decisions identical; measured per-layer underflow rates within 1e-3.
+(``torch_bridge``), in lockstep at the same weights every step: every layer's
+scale must be identical, bit for bit, at every step; skip decisions identical;
+the unscaled gradients close; measured per-layer underflow rates close.
 
 A scale that differs is accepted only when the decision was within rounding of
 a power-of-two boundary in one of the frameworks (fp16 kernels round
 differently), or follows such a decision in the same backward; those cases are
 reported as warnings, never hidden by a looser comparison.
+
+Measured underflow counts the entries that are zero in the fp16 backward and
+not in an fp32 one. Besides range underflow (|true value × scale| below half the
+smallest subnormal), that counts entries a few subnormal quanta from zero whose
+fate depends on how each framework's fp16 kernels round (a value at 0.4-0.6 of
+u_min, or a difference computed in fp16 by one and in fp32 by the other): at the
+same weights the two frameworks differ by up to 4 entries of 4096 (9.8e-4) in
+one layer-step on this machine, and by other counts on other CPUs. So each
+layer-step's rates must agree within 2e-3, and each layer's mean over the 20
+steps, where that noise averages out (at most 7.3e-5 apart here), within 2.5e-4.
 """
 
 import warnings
 
+import numpy as np
+
 import pytest
-from harness import StepRecord, compare, run_jax, run_torch
+from harness import StepRecord, compare, run_pair
 
 from adaloss.config import AdaLossConfig
 
 STEPS = 20
 LOSS_FACTOR = 1e-4  # small enough that plain fp16 gradients underflow
 LR = 300.0  # = 0.03 / LOSS_FACTOR: the weights really move
+# unscaled gradients at the same weights and scales, fp16 kernels apart: at most 2.4e-2
+# (the CNN), 7e-3 (MLP), 3.5e-3 (residual), 2.2e-3 (GPT) on this machine
+GRAD_TOL = 0.05
+UNDERFLOW_TOL = 2e-3
+MEAN_UNDERFLOW_TOL = 2.5e-4
 CONFIGS = {
     "default": AdaLossConfig(),
     # a loose accumulated bound lets the layers, not only the loss cast, pick scales
@@ -29,15 +47,17 @@ CONFIGS = {
 @pytest.mark.parametrize("model", ["mlp", "residual", "cnn", "gpt"])
 def test_scales_and_underflow_match_across_frameworks(model, config):
     cfg = CONFIGS[config]
-    jx = run_jax(model, STEPS, cfg, LR, LOSS_FACTOR)
-    tr = run_torch(model, STEPS, cfg, LR, LOSS_FACTOR)
-    result = compare(jx, tr)
+    jx, tr = run_pair(model, STEPS, cfg, LR, LOSS_FACTOR)
+    result = compare(jx, tr, underflow_tol=UNDERFLOW_TOL, mean_underflow_tol=MEAN_UNDERFLOW_TOL,
+                     grad_tol=GRAD_TOL)
     for case in result.boundary:
         warnings.warn(f"{model}/{config}: power-of-two boundary case: {case}", stacklevel=1)
     assert not result.mismatches, "\n".join(result.mismatches)
     assert not result.underflow_diffs, "\n".join(result.underflow_diffs)
-    # not vacuous: some layer scales its cotangent, and both losses follow the same path
+    assert not result.grad_diffs, "\n".join(result.grad_diffs)
+    # not vacuous: some layer scales its cotangent, gradients were compared, the weights moved
     assert any(s != 1.0 for r in jx for s in r.scale.values())
+    assert result.worst_grad > 0
     assert abs(jx[-1].loss - tr[-1].loss) < 2e-3 * abs(jx[-1].loss)
     assert jx[-1].loss != jx[0].loss
 
@@ -71,3 +91,27 @@ def test_compare_flags_underflow_differences():
     assert compare([a], [b]).underflow_diffs
     b.underflow = {"a": 5e-4}
     assert not compare([a], [b]).underflow_diffs
+
+
+def test_compare_flags_a_mean_underflow_difference_that_no_single_step_shows():
+    steps_a = [_record({"a": 1.0}, {"a": 1.0}, {"a": 1.0}) for _ in range(4)]
+    steps_b = [_record({"a": 1.0}, {"a": 1.0}, {"a": 1.0}) for _ in range(4)]
+    for ra, rb in zip(steps_a, steps_b):
+        ra.underflow, rb.underflow = {"a": 1e-3}, {"a": 2e-3}  # each step within 2e-3
+    loose = compare(steps_a, steps_b, underflow_tol=UNDERFLOW_TOL)
+    assert not loose.underflow_diffs
+    strict = compare(steps_a, steps_b, underflow_tol=UNDERFLOW_TOL, mean_underflow_tol=MEAN_UNDERFLOW_TOL)
+    assert strict.underflow_diffs == ["a: mean over 4 steps jax 1.00e-03, torch 2.00e-03"]
+
+
+def test_compare_flags_gradients_apart_except_on_boundary_or_skipped_steps():
+    a = _record({"a": 1.0}, {"a": 1.0}, {"a": 1.0})
+    b = _record({"a": 1.0}, {"a": 1.0}, {"a": 1.0})
+    a.grads, b.grads = {"w": np.ones(4)}, {"w": np.full(4, 1.1)}
+    result = compare([a], [b], grad_tol=GRAD_TOL)
+    assert len(result.grad_diffs) == 1 and result.worst_grad == pytest.approx(0.1)
+    b.grads = {"w": np.full(4, 1.01)}
+    assert not compare([a], [b], grad_tol=GRAD_TOL).grad_diffs
+    b.skipped = a.skipped = True
+    b.grads = {"w": np.zeros(4)}
+    assert compare([a], [b], grad_tol=GRAD_TOL).worst_grad == 0.0

@@ -208,17 +208,25 @@ def _to_torch(path: str, value: np.ndarray) -> np.ndarray:
     return value
 
 
+def to_torch_layout(params: Any) -> dict[str, np.ndarray]:
+    """A Flax ``{"params": ...}`` tree (of parameters or of their gradients) as torch's
+    ``{name: array}`` (kernels transposed to torch's layout)."""
+    out = {}
+    for p, v in jax.tree_util.tree_flatten_with_path(params["params"])[0]:
+        key = jax.tree_util.keystr(p, simple=True, separator="/")
+        out[torch_name("params/" + key)] = np.array(_to_torch(key, np.asarray(v)))
+    return out
+
+
 def load_flax(module: nn.Module, params: Any) -> None:
     """Copy Flax ``params`` into ``module``'s parameters (kernels transposed to torch's layout)."""
-    flat = {torch_name("params/" + jax.tree_util.keystr(p, simple=True, separator="/")): (p, v)
-            for p, v in jax.tree_util.tree_flatten_with_path(params["params"])[0]}
+    flat = to_torch_layout(params)
     own = dict(module.named_parameters())
     if set(flat) != set(own):
         raise ValueError(f"parameter names differ: {sorted(set(flat) ^ set(own))}")
     with torch.no_grad():
-        for name, (path, v) in flat.items():
-            key = jax.tree_util.keystr(path, simple=True, separator="/")
-            own[name].copy_(torch.from_numpy(np.array(_to_torch(key, np.asarray(v)))))
+        for name, v in flat.items():
+            own[name].copy_(torch.from_numpy(v))
 
 
 # name -> (Flax module, torch module factory, data maker: key -> (jax x, torch x, labels np))

@@ -196,8 +196,14 @@ def test_host_math_and_device_math_decide_identically(name):
             scaler.scale(1e-6 * xent(model(x), y)).backward()
         reps = scaler.layer_reports()
         scales.append({k: (float(r.scale), float(r.unrounded_scale)) for k, r in reps.items()})
-    assert scales[0] == scales[1]
-    assert any(s != 1.0 for s, _ in scales[0].values())
+    device, host = scales
+    assert device.keys() == host.keys()
+    for k in device:
+        # the same formulas on 0-d tensors and on NumPy scalars: libm's exp/log/sqrt may differ
+        # in the last bit between the two libraries (and between CPUs), the decisions may not
+        assert device[k][1] == pytest.approx(host[k][1], rel=1e-6), k
+        assert device[k][0] == host[k][0], k
+    assert any(s != 1.0 for s, _ in device.values())
 
 
 def test_enabled_false_is_a_pass_through():

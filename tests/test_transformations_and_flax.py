@@ -130,7 +130,8 @@ def test_argnums_tuple_has_aux_and_structure():
         return jnp.sum(jnp.tanh(x @ p["a"]) @ w), {"n": 3}
 
     w = jnp.ones((32, 1))
-    (v, aux), (gp, gw) = jax_adaloss.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, w, X)
+    (v, aux), (gp, gw) = jax_adaloss.value_and_grad(loss, argnums=(0, 1), has_aux=True,
+                                                    weights=(0, 1))(p, w, X)
     rv, (rp, rw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, w, X)
     assert aux == {"n": 3} and float(v) == pytest.approx(float(rv[0]), rel=1e-6)
     assert jax.tree.structure(jax_adaloss.unscale_tree(gp)) == jax.tree.structure(rp)

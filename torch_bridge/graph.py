@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from adaloss.report import Coverage
+
 # name -> (operand positions (a, b) of a @ b, saved attribute of each operand)
 _MATMUL: dict[str, tuple[tuple[int, int], tuple[str, str]]] = {
     "MmBackward0": ((0, 1), ("_saved_self", "_saved_mat2")),
@@ -48,8 +50,19 @@ _CONV = "ConvolutionBackward0"  # edges: input 0, weight 1, bias 2
 _LOOKUP = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0",
                      "IndexSelectBackward0", "GatherBackward0", "TakeBackward0"})
 # elementwise nodes whose non-differentiated operand may be a scalar constant
-_SCALAR_OPERAND = {"MulBackward0": ("_saved_self", "_saved_other"),
-                   "DivBackward0": ("_saved_self", "_saved_other")}
+_SCALAR_OPERAND = {"MulBackward0": ("_raw_saved_self", "_raw_saved_other"),
+                   "DivBackward0": ("_raw_saved_self", "_raw_saved_other")}
+# nodes that move or copy entries without changing them (a weight's statistics are those of
+# its parameter): the one edge that carries the weight
+_STRUCTURAL = frozenset({
+    "TBackward0", "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0", "CloneBackward0",
+    "AliasBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0",
+    "ContiguousBackward0", "ViewAsRealBackward0", "ExpandAsBackward0"})
+_CAST = "ToCopyBackward0"
+# opaque regions that use parameters inside: reentrant torch.utils.checkpoint (parameters
+# reached by a nested backward, not edges) and torch.compile (AOTAutograd)
+_REGIONS = ("CheckpointFunctionBackward", "CompiledFunctionBackward")
 _ACT = None  # origin of activations; a weight's origin is its parameter name
 
 
@@ -66,7 +79,7 @@ class NodePlan:
     """
 
     index: int
-    kind: str = "op"  # "op" | "layer" | "cast"
+    kind: str = "op"  # "op" | "layer" | "cast" | "region"
     name: str = ""
     rank: int = 0  # forward (creation) order
     out_dtypes: tuple[torch.dtype, ...] = ()
@@ -81,7 +94,11 @@ class NodePlan:
     stash_edges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     act_edge: int = -1
     weight_attr: str = ""
+    # the weight operand rebuilt from its parameter when the node's saved copy must not be
+    # read (saved-tensor hooks: torch.utils.checkpoint): (leaf position, ops in forward order)
+    recipe: tuple[int, tuple[tuple[str, Any], ...]] | None = None
     fan_in: int = 1
+    narrow_dtype: torch.dtype | None = None  # a cast's: the dtype its cotangent is narrowed to
 
     @property
     def hooked_before(self) -> bool:
@@ -89,7 +106,7 @@ class NodePlan:
 
     @property
     def hooked_after(self) -> bool:
-        return self.kind == "layer" or bool(self.stash_edges)
+        return self.kind in ("layer", "region") or bool(self.stash_edges)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +114,8 @@ class _Template:
     order: tuple[NodePlan, ...]  # consumers before producers; order[0] is the root
     walk_to_order: tuple[int, ...]  # position in the walk -> position in ``order``
     n_syms: int  # symbol 0: the seed (init_scale)
+    coverage: Coverage
+    missed: tuple[str, ...]  # why weighted ops with a weight operand got no scale
 
 
 class _Walk:
@@ -140,10 +159,13 @@ class ScalePlan:
     """
 
     def __init__(self, root: Any, param_names: Mapping[int, str], cast_rule: bool = True,
-                 cache: OrderedDict[Any, _Template] | None = None, cache_size: int = 8) -> None:
+                 cache: OrderedDict[Any, _Template] | None = None, cache_size: int = 8,
+                 grad_dtype: torch.dtype | None = None) -> None:
         walk = _Walk(root, param_names)
         key = (walk.key, cast_rule)
         template = cache.get(key) if cache is not None else None
+        #: whether this structure was classified now (not taken from the cache)
+        self.fresh = template is None
         if template is None:
             template = _Builder(walk, param_names, cast_rule).template()
             if cache is not None:
@@ -160,10 +182,30 @@ class ScalePlan:
             self.nodes[o] = walk.nodes[w]
         self.params: list[torch.Tensor | None] = [
             getattr(n, "variable", None) if p.leaf else None for n, p in zip(self.nodes, self.order)]
+        self.coverage, self.missed = template.coverage, template.missed
+        if grad_dtype is not None:
+            _check_format(template.order, grad_dtype)
 
     def layers(self) -> list[NodePlan]:
-        """Layer and cast nodes in forward order."""
+        """Layer, cast and region nodes in forward order."""
         return sorted((p for p in self.order if p.kind != "op"), key=lambda p: p.rank)
+
+
+def _check_format(order: tuple[NodePlan, ...], grad_dtype: torch.dtype) -> None:
+    """Every 16-bit (or narrower) cotangent a decision governs must be in ``grad_dtype``."""
+    for p in order:
+        if p.kind == "layer":
+            dtype, what = p.out_dtypes[0], f"layer {p.name}"
+        elif p.kind == "cast":
+            dtype, what = p.narrow_dtype, f"{p.name} (a cotangent cast)"
+        else:
+            continue
+        if _is_float(dtype) and dtype.itemsize <= 2 and dtype != grad_dtype:
+            name = str(dtype).removeprefix("torch.")
+            raise ValueError(
+                f"AdaLossConfig.grad_format={str(grad_dtype).removeprefix('torch.')!r}, but the "
+                f"cotangent of {what} is {name}: its limits (u_min, u_max) would be wrong. Set "
+                f"AdaLossConfig(grad_format={name!r}).")
 
 
 class _Builder:
@@ -206,19 +248,27 @@ class _Builder:
         self._classify()
         self._assign()
         walk_to_order = tuple(self.pos[w] for w in range(len(self.walk_pos)))
-        return _Template(tuple(self.plans), walk_to_order, self.n_syms)
+        layers = sum(p.kind == "layer" for p in self.plans)
+        regions = sum(p.kind == "region" for p in self.plans)
+        return _Template(tuple(self.plans), walk_to_order, self.n_syms,
+                         Coverage(self.weighted_ops, layers, regions), tuple(self.missed))
 
     # -- classification -------------------------------------------------------------
     def _classify(self) -> None:
         for o in reversed(range(len(self.plans))):  # producers first
             self.origin[o] = self._node_origin(o)
+        self.weighted_ops = 0
+        self.missed: list[str] = []
         names: dict[str, int] = defaultdict(int)
-        casts = 0
+        casts = regions = 0
         for plan in sorted(self.plans, key=lambda p: p.rank):  # forward order
             if self._as_layer(plan):
                 k = names[plan.name]
                 names[plan.name] += 1
                 plan.name = plan.name if k == 0 else f"{plan.name}@{k}"
+            elif self._is_region(plan):
+                plan.kind, plan.name = "region", f"region:{regions}"
+                regions += 1
             elif self.cast_rule and self._narrows(plan):
                 plan.kind, plan.name = "cast", f"cast:{casts}"
                 casts += 1
@@ -254,20 +304,64 @@ class _Builder:
             operands, attrs = (0, 1), ("", "_saved_weight")
         else:
             return False
+        self.weighted_ops += 1
         edges = plan.edges
         origins = [_ACT if edges[i] is None else self.origin[edges[i][0]] for i in operands]
         weights = [j for j in (0, 1) if origins[j] is not _ACT]
-        if len(weights) != 1 or (kind == _CONV and weights[0] != 1):
-            return False
+        if len(weights) != 1:
+            return False  # activation·activation (attention) or weight·weight
         w = weights[0]
         act = operands[1 - w]
         if edges[act] is None:
             return False  # the activation needs no gradient (first layer)
-        weight = getattr(node, attrs[w])
+        if kind == _CONV and w != 1:
+            self.missed.append("a convolution whose weight is its input operand")
+            return False
+        producer = edges[operands[w]]
+        shape = tuple(self.nodes[producer[0]]._input_metadata[producer[1]].shape)
         plan.kind, plan.name = "layer", origins[w]
         plan.act_edge, plan.weight_attr = act, attrs[w]
-        plan.fan_in = _fan_in(kind, w, tuple(weight.shape), node)
+        plan.recipe = self._recipe(producer)
+        plan.fan_in = _fan_in(kind, w, shape, node)
         return True
+
+    def _recipe(self, edge: tuple[int, int]) -> tuple[int, tuple[tuple[str, Any], ...]] | None:
+        """How the weight operand arriving on ``edge`` is computed from one parameter: casts and
+        scalar factors in forward order (moves and copies leave its statistics as they are),
+        or ``None`` if other ops are involved."""
+        ops: list[tuple[str, Any]] = []
+        o = edge[0]
+        while True:
+            node, plan = self.nodes[o], self.plans[o]
+            if plan.leaf:
+                return o, tuple(reversed(ops))
+            kind = node.name()
+            live = [e for e in plan.edges if e is not None]
+            if len(live) != 1:
+                return None
+            if kind == _CAST:
+                ops.append(("cast", plan.out_dtypes[0]))
+            elif kind in _SCALAR_OPERAND:
+                i = plan.edges.index(live[0])
+                if i > 1 or not _scalar_operand(node, 1 - i):
+                    return None
+                factor = getattr(node, _SCALAR_OPERAND[kind][1 - i]).data
+                op = "mul" if kind == "MulBackward0" else ("div" if i == 0 else "rdiv")
+                ops.append((op, factor))
+            elif kind not in _STRUCTURAL:
+                return None
+            o = live[0][0]
+
+    def _is_region(self, plan: NodePlan) -> bool:
+        """An opaque region that uses parameters inside (see ``_REGIONS``), or any custom
+        autograd Function with a parameter among its inputs."""
+        node = self.nodes[plan.index]
+        if node.name().startswith(_REGIONS):
+            return True
+        if not isinstance(node, torch.autograd.function.BackwardCFunction):
+            return False
+        return any(e is not None and self.plans[e[0]].leaf and self.origin[e[0]] is not _ACT
+                   for e in plan.edges)
 
     def _narrows(self, plan: NodePlan) -> bool:
         wide = [d.itemsize for d in plan.out_dtypes if _is_float(d)]
@@ -279,6 +373,7 @@ class _Builder:
                 continue
             d = self.plans[e[0]].out_dtypes[e[1]]
             if _is_float(d) and d.itemsize <= 2 and d.itemsize < widest:
+                plan.narrow_dtype = d
                 return True
         return False
 
@@ -306,23 +401,28 @@ class _Builder:
                 plan.sym = present.pop()
             else:
                 continue  # reached only through undefined gradients
-            if plan.kind in ("layer", "cast"):
+            if plan.kind != "op":
                 plan.send = self._new()
             for i, e in enumerate(plan.edges):
                 if e is None:
                     continue
-                sym = plan.send if plan.kind == "cast" or i == plan.act_edge else plan.sym
+                sym = plan.send if plan.kind in ("cast", "region") or i == plan.act_edge else plan.sym
                 plan.edge_syms[i] = sym
                 contribs[e[0]][e[1]].append((plan.index, i, sym))
 
 
 def _scalar_operand(node: Any, i: int) -> bool:
-    """Whether the non-differentiated operand ``i`` of a mul/div node is a scalar constant."""
+    """Whether the non-differentiated operand ``i`` of a mul/div node is a scalar constant.
+
+    Reads the saved operand without unpacking it: under saved-tensor hooks
+    (``torch.utils.checkpoint``) an unpack would recompute the region, and a second one
+    in the backward fails. A hooked operand is not known to be a scalar."""
     attrs = _SCALAR_OPERAND.get(node.name())
     if attrs is None or i > 1:
         return False
     saved = getattr(node, attrs[i], None)
-    return isinstance(saved, torch.Tensor) and saved.numel() == 1
+    data = getattr(saved, "data", None)
+    return isinstance(data, torch.Tensor) and data.numel() == 1
 
 
 def _fan_in(kind: str, w: int, shape: tuple[int, ...], node: Any) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -34,8 +34,10 @@ from torch_bridge.graph import NodePlan, ScalePlan
 
 _F32 = torch.float32
 
-# (param, this backward's gradient, its scale) -> (gradient to accumulate, scale .grad then carries)
-LeafHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (param, this backward's gradient, its scale, the scale .grad carries now or None: the
+# scaler knows) -> (gradient to accumulate, scale .grad then carries)
+LeafHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                    tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Decision(NamedTuple):
@@ -147,6 +149,13 @@ def _post_hook(me: weakref.ref[ScaledBackward], i: int) -> Callable[[tuple[Any, 
     return hook
 
 
+def _hidden_hook(me: weakref.ref[ScaledBackward], k: int) -> Callable[[torch.Tensor], Any]:
+    def hook(grad: torch.Tensor) -> Any:
+        sb = me()
+        return None if sb is None else sb.hidden_grad(k, grad)
+    return hook
+
+
 def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats."""
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
@@ -158,10 +167,14 @@ class ScaledBackward:
     The caller must keep this object alive until the backward has run (the hooks
     only hold a weak reference); ``on_done`` receives its :class:`BackwardRecord`.
 
-    ``on_leaf(param, grad, scale)`` is called, before autograd accumulates it, for the
+    ``on_leaf(param, grad, scale, old)`` is called, before autograd accumulates it, for the
     gradient of each parameter that already has a ``.grad`` (accumulation) and
     returns the tensor to accumulate and the scale ``.grad`` will carry. Other
     parameters need no hook: their scale is read from the plan after the pass.
+    ``hidden`` parameters are used inside opaque regions (reentrant checkpoints): a
+    nested backward reaches them, not the plan; their gradients carry the scale the
+    region decided (tensor hooks, registered only while the plan has regions), at least
+    ``region_scale(name, device)`` (:mod:`torch_bridge.regions`).
     ``model_scales`` (layer name -> cached statistical scale) and ``spreads`` (its σ,
     or a cast's log-statistics) are used instead of fresh statistics when
     ``recompute`` is False (``update_every``); then only min/max are computed.
@@ -171,8 +184,11 @@ class ScaledBackward:
                  on_done: Callable[[BackwardRecord], None], *, recompute: bool = True,
                  model_scales: dict[str, torch.Tensor] | None = None,
                  spreads: dict[str, Any] | None = None, capture: bool = False,
-                 host_math: bool = True, adaptive: bool = True) -> None:
+                 host_math: bool = True, adaptive: bool = True,
+                 hidden: Sequence[torch.Tensor] = (),
+                 region_scale: Callable[[str, torch.device], torch.Tensor] | None = None) -> None:
         self.plan, self.config = plan, config
+        self.region_scale = region_scale or (lambda name, device: torch.ones((), device=device))
         self.on_leaf, self.on_done = on_leaf, on_done
         self.recompute = recompute
         self.cached = model_scales or {}
@@ -196,6 +212,9 @@ class ScaledBackward:
                 self.handles.append(node.register_prehook(_pre_hook(self._me, i)))
             if p.hooked_after:
                 self.handles.append(node.register_hook(_post_hook(self._me, i)))
+        self.hidden = list(hidden) if plan.coverage.opaque_regions else []
+        self.hidden_handles = [t.register_hook(_hidden_hook(self._me, k))
+                               for k, t in enumerate(self.hidden) if t.requires_grad]
 
     def _hook_leaves(self) -> None:
         """Hook the AccumulateGrad nodes that merge (tied weights) or accumulate into a ``.grad``."""
@@ -213,6 +232,23 @@ class ScaledBackward:
 
     def __del__(self) -> None:
         self._unhook_leaves()
+        self._unhook_hidden()
+
+    def _unhook_hidden(self) -> None:
+        for h in getattr(self, "hidden_handles", ()):
+            h.remove()
+        self.hidden_handles = []
+
+    def hidden_grad(self, k: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """A hidden parameter's gradient, reached inside the innermost running region."""
+        if not self.active or not self.regions:
+            return None
+        param = self.hidden[k]
+        prior = self.leaf_scales.get(id(param))
+        grad, carried = self.on_leaf(param, grad, self.sm.to_torch(self.regions[-1]),
+                                     None if prior is None else prior[1])
+        self.leaf_scales[id(param)] = (param, carried)
+        return grad
 
     def _reset(self) -> None:
         self.values: list[torch.Tensor | None] = [None] * self.plan.n_syms
@@ -225,6 +261,7 @@ class ScaledBackward:
         self.captured: dict[str, torch.Tensor] = {}
         self.captured_scales: dict[str, Any] = {}
         self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.regions: list[Any] = []  # outgoing scales of the opaque regions being run
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -254,11 +291,11 @@ class ScaledBackward:
             self.values[p.send] = self.values[p.sym]
         elif p.kind == "layer":
             self._layer(p, go)
-        elif p.kind == "cast":
+        elif p.kind in ("cast", "region"):
             self._cast(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
             param = self.plan.params[i]
-            go[0], carried = self.on_leaf(param, go[0], self.sm.to_torch(self.values[p.sym]))
+            go[0], carried = self.on_leaf(param, go[0], self.sm.to_torch(self.values[p.sym]), None)
             self.leaf_scales[id(param)] = (param, carried)
         return tuple(go)
 
@@ -266,6 +303,8 @@ class ScaledBackward:
         if not self.active:
             return None
         p = self.plan.order[i]
+        if p.kind == "region" and self.regions:
+            self.regions.pop()
         gi = list(grad_inputs)
         s = self.layer_s.pop(i, None)
         if s is not None:
@@ -299,6 +338,7 @@ class ScaledBackward:
     def _finish(self) -> None:
         self.active = False
         self._unhook_leaves()
+        self._unhook_hidden()
         for i, p in enumerate(self.plan.order):
             param = self.plan.params[i]
             if p.leaf and id(param) not in self.leaf_scales and self.values[p.sym] is not None:
@@ -357,7 +397,7 @@ class ScaledBackward:
             self.values[p.send] = incoming
             return
         cfg, sx = self.config, self.sm.xp
-        weight = None if cfg.model == "gradient" else getattr(self.plan.nodes[p.index], p.weight_attr)
+        weight = None if cfg.model == "gradient" else self._weight(p)
         cached = self._cached(p.name)
         if cached is None or cached[1] is None:
             gs = self._stats(tensor_stats(g, with_mean=cfg.model == "gradient"))
@@ -386,7 +426,12 @@ class ScaledBackward:
         cfg, sx = self.config, self.sm.xp
         g = go[present[0]]
         cached = self._cached(p.name)
-        if cached is None or cached[1] is None:
+        if p.kind == "region":  # at least the region's dynamic scale (torch_bridge.regions)
+            ls = self._stats(log_stats(g))
+            floor = self.sm.to_xp(self.region_scale(p.name, g.device)) / incoming
+            d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=sx.maximum(
+                solver.cast_model_scale(cfg, ls, sx), floor))
+        elif cached is None or cached[1] is None:
             ls = self._stats(log_stats(g))
             d = solver.cast_scale(cfg, ls, incoming, sx,
                                   cached_model_scale=None if cached is None else cached[0])
@@ -399,3 +444,34 @@ class ScaledBackward:
         for k in present:
             go[k] = self._rescale(go[k], d.scale)
         self.decisions[p.name] = _Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)
+        if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
+            self.regions.append(outgoing)
+
+    def _weight(self, p: NodePlan) -> torch.Tensor:
+        """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
+        by hooks (``torch.utils.checkpoint``: reading it here would leave none for the node's
+        own backward), the same values rebuilt from the parameter (``NodePlan.recipe``)."""
+        node = self.plan.nodes[p.index]
+        raw = getattr(node, "_raw" + p.weight_attr, None)
+        if isinstance(getattr(raw, "data", None), torch.Tensor):
+            return getattr(node, p.weight_attr)
+        if p.recipe is None:
+            raise RuntimeError(
+                f"adaptive loss scaling: the weight of layer {p.name} is saved through saved-tensor "
+                "hooks (torch.utils.checkpoint or torch.autograd.graph.saved_tensors_hooks) and is "
+                "computed from its parameter by ops other than casts, moves and scalar factors, so "
+                "its statistics cannot be read without consuming the saved copy. Use "
+                "AdaLossConfig(model='gradient') (no weight statistics), or keep that layer out of "
+                "the checkpointed region.")
+        pos, ops = p.recipe
+        w = self.plan.params[pos].detach()
+        for op, v in ops:
+            if op == "cast":
+                w = w.to(v)
+            elif op == "mul":
+                w = w * v
+            elif op == "div":
+                w = w / v
+            else:
+                w = v / w
+        return w

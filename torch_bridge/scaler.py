@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import warnings
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -36,10 +37,11 @@ import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerReport
+from adaloss.report import AdaLossCoverageWarning, Coverage, LayerReport
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
+from torch_bridge.regions import RegionScales
 
 _F32 = torch.float32
 
@@ -91,6 +93,8 @@ class AdaLossScaler:
         self._last: BackwardRecord | None = None
         self._plans: OrderedDict[Any, Any] = OrderedDict()  # graph structure -> plan
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
+        self._coverage: Coverage | None = None
+        self._regions = RegionScales()
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -132,11 +136,18 @@ class AdaLossScaler:
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
         plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule,
-                         cache=self._plans)
+                         cache=self._plans, grad_dtype=getattr(torch, self._config.grad_format))
+        if plan.fresh:
+            _warn_coverage(plan)
+        self._coverage = plan.coverage
+        hidden: list[torch.Tensor] = []
+        if plan.coverage.opaque_regions:
+            planned = {id(p) for p in plan.params if p is not None}
+            hidden = [p for p in self._model.parameters() if id(p) not in planned]
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
-                            host_math=self.host_math)
+                            host_math=self.host_math, hidden=hidden, region_scale=self._regions.get)
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -163,12 +174,14 @@ class AdaLossScaler:
         self._per_optimizer[id(optimizer)]["stage"] = _Stage.STEPPED
         self.update()
 
-    def _on_leaf(self, param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring a new gradient and an existing ``param.grad`` (accumulation) to one scale."""
+    def _on_leaf(self, param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor,
+                 old: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bring a new gradient and an existing ``param.grad`` (accumulation; carrying ``old``,
+        or what the last backward left) to one scale."""
         if param.grad is None:
             return grad, scale
-        old = self._pending.get(id(param), (param, None))[1]
+        if old is None:
+            old = self._pending.get(id(param), (param, None))[1]
         old = torch.ones((), dtype=_F32, device=grad.device) if old is None else old
         absmax = [param.grad.abs().amax().to(_F32), grad.abs().amax().to(_F32)]
         target = solver.merge_scale([old, scale], absmax, u_max(self._config, grad.dtype), xp)
@@ -204,6 +217,12 @@ class AdaLossScaler:
                 if p.grad.is_sparse:
                     raise NotImplementedError("AdaLossScaler does not support sparse gradients "
                                               "(use nn.Embedding(sparse=False))")
+                if p.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients. Each gradient carries its own scale "
+                        "(up to the accumulated bound), and dividing it in fp16 would flush its "
+                        "small entries to zero. Keep fp32 parameters and run the forward under "
+                        "torch.autocast(dtype=torch.float16) instead of model.half().")
                 dev = p.grad.device
                 entry = self._pending.pop(id(p), None)
                 if entry is None:
@@ -255,6 +274,8 @@ class AdaLossScaler:
             raise RuntimeError("No inf checks were recorded prior to update(): call step() "
                                "(or unscale_()) first.")
         self._iteration += 1
+        if self._regions:
+            self._regions.update([f for s in self._per_optimizer.values() for f in s["found_inf"].values()])
         self._per_optimizer.clear()
         self._pending.clear()
 
@@ -265,6 +286,11 @@ class AdaLossScaler:
             return {}
         names = parameter_names(self._model)
         return {names[i]: s for i, (_, s) in self._last.leaf_scales.items() if i in names}
+
+    def coverage(self) -> Coverage | None:
+        """Matmul/convolution nodes, layers scaled and opaque regions of the last ``scale()``'d
+        graph (``None`` before the first); see :class:`adaloss.report.Coverage`."""
+        return self._coverage
 
     def layer_reports(self) -> dict[str, LayerReport]:
         """Per-layer scale decisions and statistics of the last backward (forward order)."""
@@ -284,7 +310,8 @@ class AdaLossScaler:
             return {}
         return {"config": dataclasses.asdict(self._config), "iteration": self._iteration,
                 "skipped_steps": self._skipped,
-                "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()}}
+                "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()},
+                "region_scales": self._regions.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._enabled:
@@ -301,6 +328,27 @@ class AdaLossScaler:
         self._iteration = int(state_dict["iteration"])
         self._skipped = int(state_dict["skipped_steps"])
         self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items()}
+        self._regions.load_state_dict(state_dict.get("region_scales", {}))
+
+
+def _warn_coverage(plan: ScalePlan) -> None:
+    """Say once per graph structure when matmuls/convolutions that should scale do not."""
+    cov, problems = plan.coverage, []
+    if cov.opaque_regions:
+        problems.append(
+            f"{cov.opaque_regions} opaque region(s) (torch.compile, reentrant torch.utils.checkpoint, or "
+            "a custom autograd Function using parameters) get one scale decision at their boundary and "
+            "no per-layer scale inside; for per-layer scales, run the model uncompiled and use "
+            "checkpoint(..., use_reentrant=False)")
+    if plan.missed:
+        problems.append(f"{len(plan.missed)} weighted op(s) not scaled: {sorted(set(plan.missed))}")
+    if cov.layers == 0 and cov.weighted_ops:
+        problems.append(
+            f"no layer found among {cov.weighted_ops} matmul/convolution nodes: none has one operand "
+            "computed from parameters of the scaler's model alone (frozen or foreign weights are data)")
+    if problems:
+        warnings.warn("adaptive loss scaling: " + "; ".join(problems) + ".", AdaLossCoverageWarning,
+                      stacklevel=3)
 
 
 def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:

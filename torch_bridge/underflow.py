@@ -37,7 +37,7 @@ def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]
         loss = loss_fn()
         plan = ScalePlan(loss.grad_fn, parameter_names(model), cast_rule=config.cast_rule)
         records: list[BackwardRecord] = []
-        sb = ScaledBackward(plan, config, lambda p, g, s: (g, s), records.append, capture=True,
+        sb = ScaledBackward(plan, config, lambda p, g, s, old: (g, s), records.append, capture=True,
                             adaptive=loss_scale is None)
         loss.backward()
         del sb
