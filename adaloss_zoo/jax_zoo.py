@@ -1,0 +1,400 @@
+"""JAX models written the way their libraries' documentation writes them.
+
+- ``linen-cnn``: the Flax docs' CNN (Conv → relu → avg_pool, twice, Dense, Dense)
+  with BatchNorm and Dropout, trained through ``flax.training.train_state.TrainState``
+  by the canonical ``train_step``: ``loss_fn(params)`` closes over the batch, the
+  batch statistics and the dropout key, ``has_aux=True``,
+  ``mutable=['batch_stats']``.
+- ``linen-transformer``: a causal LM from linen's ``Embed``,
+  ``MultiHeadDotProductAttention``, ``LayerNorm``, ``Dense`` and ``Dropout``, same step.
+- ``nnx-bn-dropout``: an nnx CNN with BatchNorm and Dropout, trained in ``nnx.jit``
+  with ``nnx.Optimizer(model, tx, wrt=nnx.Param)``, the gradient taken by passing the
+  Module, as to ``nnx.value_and_grad``.
+- ``equinox-mlp``: an ``eqx.nn.MLP``, fp32 parameters cast to fp16 for the
+  forward (``jmp``'s ``cast_to_compute``), split with ``eqx.partition``.
+
+Every model computes in fp16 with fp32 parameters. :meth:`JaxCase.grads` runs one
+backward of the same fp16 forward under a method (``reference``: ``jax.grad`` of
+the loss ×1; ``fp16``: ``jax.grad`` of the loss × factor; ``static``: a fixed
+loss scale, ``jmp.StaticLossScale(2**15)``; ``adaloss``) inside ``jax.jit``, the
+batch closed over, and returns fp64 NumPy gradients divided by the factor.
+:meth:`JaxCase.train` runs the library's own training step with only the
+gradient function and the optimizer swapped for adaloss's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+import jax_adaloss
+from adaloss.config import AdaLossConfig
+
+F16 = jnp.float16
+STATIC_SCALE = 2.0**15
+METHODS = ("reference", "fp16", "static", "adaloss")
+
+
+def _names(tree: Any) -> dict[str, np.ndarray]:
+    """``{path: fp64 array}`` of a gradient tree (an nnx Variable's ``/value`` left out)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        out[re.sub(r"/value$", "", name)] = np.asarray(leaf, np.float64)
+    return out
+
+
+def _layer_names(report: Any) -> Counter[str]:
+    return Counter(re.sub(r"@\d+$", "", k) for k in report.layers if not k.startswith("cast:"))
+
+
+@dataclasses.dataclass
+class Grads:
+    """One backward: gradients (÷ factor, fp64) by parameter path, and adaloss's report."""
+
+    grads: dict[str, np.ndarray]
+    report: Any = None
+
+    @property
+    def layers(self) -> Counter[str]:
+        return Counter() if self.report is None else _layer_names(self.report)
+
+
+def _method_value_and_grad(method: str, factor: float, config: AdaLossConfig | None,
+                           transform: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """A ``value_and_grad``-like wrapper for ``loss(x) -> (scalar, aux)`` that returns
+    ``(aux, gradients unscaled and divided by factor, report or None)``."""
+    def wrap(loss: Callable[..., Any]) -> Callable[..., Any]:
+        if method == "adaloss":
+            vg = jax_adaloss.value_and_grad(lambda x: _times(loss(x), factor), has_aux=True,
+                                            config=config, return_report=True)
+
+            def run(x: Any) -> Any:
+                ((_, aux), g), rep = vg(x)
+                return aux, jax.tree.map(lambda a: a / factor, jax_adaloss.unscale_tree(g)), rep
+            return run
+        if method == "reference":
+            scale, f = jmp.NoOpLossScale(), 1.0
+        elif method == "fp16":
+            scale, f = jmp.NoOpLossScale(), factor
+        elif method == "static":
+            scale, f = jmp.StaticLossScale(jnp.asarray(STATIC_SCALE, jnp.float32)), factor
+        else:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        vg = transform(lambda x: _times(loss(x), f, scale.scale), has_aux=True)
+
+        def run(x: Any) -> Any:
+            (_, aux), g = vg(x)
+            g = jax.tree.map(lambda a: a.astype(jnp.float32), g)
+            return aux, jax.tree.map(lambda a: a / f, scale.unscale(g)), None
+        return run
+    return wrap
+
+
+def _times(out: tuple[Any, Any], factor: float, scale: Callable[[Any], Any] = lambda v: v
+           ) -> tuple[Any, Any]:
+    return scale(out[0] * factor), out[1]
+
+
+class JaxCase:
+    """A zoo model: :meth:`grads` (one backward under a method), :meth:`train` (the idiom)."""
+
+    name: str
+    #: layers adaptive scaling must find: every Dense/Conv whose input needs a gradient
+    expected: Counter[str]
+    #: parameters with an analytically zero gradient (their reference is rounding noise)
+    exclude: tuple[str, ...] = ()
+
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+        raise NotImplementedError
+
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
+        """``steps`` of the library's training step with adaloss: the losses (÷ factor), the
+        skipped steps, the optimizer's step count and the paths of the non-differentiated
+        state (batch statistics, RNG counts) that changed."""
+        raise NotImplementedError
+
+
+# -- Flax linen, TrainState ---------------------------------------------------------------
+class LinenCNN(nn.Module):
+    """The Flax docs' CNN, tiny, with BatchNorm and Dropout."""
+
+    dtype: Any = F16
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        x = nn.Conv(features=8, kernel_size=(3, 3), dtype=self.dtype)(x)
+        x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.Conv(features=16, kernel_size=(3, 3), dtype=self.dtype)(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dense(features=32, dtype=self.dtype)(x)
+        x = nn.relu(x)
+        x = nn.Dropout(rate=0.1, deterministic=not train)(x)
+        return nn.Dense(features=10, dtype=self.dtype)(x)
+
+
+class LinenLM(nn.Module):
+    """A one-block causal transformer LM from linen's layers."""
+
+    vocab: int = 64
+    dim: int = 32
+    heads: int = 4
+    dtype: Any = F16
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, train: bool) -> jax.Array:
+        h = nn.Embed(self.vocab, self.dim, dtype=self.dtype)(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.dim))
+        h = h + pos.astype(self.dtype)
+        y = nn.LayerNorm(dtype=self.dtype)(h)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype, dropout_rate=0.1,
+                                            deterministic=not train)(y, mask=nn.make_causal_mask(tokens))
+        h = h + y
+        y = nn.LayerNorm(dtype=self.dtype)(h)
+        y = nn.Dense(4 * self.dim, dtype=self.dtype)(y)
+        y = nn.Dropout(rate=0.1, deterministic=not train)(nn.gelu(y))
+        h = h + nn.Dense(self.dim, dtype=self.dtype)(y)
+        return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(h))
+
+
+class TrainState(train_state.TrainState):
+    batch_stats: Any = None
+    key: jax.Array = None  # the dropout key, as in the Flax docs
+
+
+def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """The Flax docs' loss, on logits upcast to fp32 (the mixed-precision custom)."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits=logits.astype(jnp.float32), labels=labels).mean()
+
+
+class LinenCase(JaxCase):
+    def __init__(self, name: str, module: nn.Module, batch: dict[str, jax.Array], expected: Counter[str],
+                 seed: int = 0, exclude: tuple[str, ...] = ()) -> None:
+        self.name, self.module, self.batch, self.expected = name, module, batch, expected
+        self.exclude = exclude
+        key, dropout_key = jax.random.split(jax.random.key(seed))
+        variables = module.init(key, batch["x"], train=False)
+        self.params = variables["params"]
+        self.batch_stats = variables.get("batch_stats", {})
+        self.dropout_key = dropout_key
+
+    def _loss(self, batch_stats: Any, batch: dict[str, jax.Array], key: jax.Array) -> Callable[..., Any]:
+        def loss_fn(params: Any) -> tuple[jax.Array, Any]:
+            logits, updates = self.module.apply(
+                {"params": params, "batch_stats": batch_stats}, batch["x"], train=True,
+                rngs={"dropout": key}, mutable=["batch_stats"])
+            return _xent(logits, batch["y"]), updates
+        return loss_fn
+
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+        vg = _method_value_and_grad(method, factor, config, jax.value_and_grad)
+
+        @jax.jit
+        def step(params: Any, batch_stats: Any, batch: Any, key: jax.Array) -> Any:
+            return vg(self._loss(batch_stats, batch, key))(params)
+
+        _, g, rep = step(self.params, self.batch_stats, self.batch, self.dropout_key)
+        return Grads(_names(g), rep)
+
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
+        tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))
+        state = TrainState.create(apply_fn=self.module.apply, params=self.params, tx=tx,
+                                  batch_stats=self.batch_stats, key=self.dropout_key)
+
+        @jax.jit
+        def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, jax.Array]:
+            dropout_key = jax.random.fold_in(key=state.key, data=state.step)
+
+            def loss_fn(params: Any) -> tuple[jax.Array, Any]:
+                logits, updates = state.apply_fn(
+                    {"params": params, "batch_stats": state.batch_stats}, batch["x"], train=True,
+                    rngs={"dropout": dropout_key}, mutable=["batch_stats"])
+                return factor * _xent(logits, batch["y"]), updates
+
+            grad_fn = jax_adaloss.value_and_grad(loss_fn, has_aux=True, config=config)
+            (loss, updates), grads = grad_fn(state.params)
+            state = state.apply_gradients(grads=grads)
+            return state.replace(batch_stats=updates.get("batch_stats", state.batch_stats)), loss
+
+        losses = []
+        for _ in range(steps):
+            state, loss = train_step(state, self.batch)
+            losses.append(float(loss) / factor)
+        return {"losses": losses, "skipped": int(optax.tree.get(state.opt_state, "skipped")),
+                "state_changed": _changed(self.batch_stats, state.batch_stats), "step": int(state.step)}
+
+
+def linen_cnn(seed: int = 0) -> LinenCase:
+    key = jax.random.key(100 + seed)
+    batch = {"x": jax.random.normal(key, (8, 12, 12, 1)), "y": jnp.arange(8) % 10}
+    # the first conv sees the images alone: its input needs no gradient
+    expected = Counter({"Conv_1/kernel": 1, "Dense_0/kernel": 1, "Dense_1/kernel": 1})
+    # the first conv's bias feeds BatchNorm, which subtracts the batch mean: zero gradient
+    return LinenCase("linen-cnn", LinenCNN(), batch, expected, seed, exclude=("Conv_0/bias",))
+
+
+def linen_transformer(seed: int = 0) -> LinenCase:
+    key = jax.random.key(200 + seed)
+    tokens = jax.random.randint(key, (4, 16), 0, 64)
+    batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
+    mha = "MultiHeadDotProductAttention_0"
+    expected = Counter({f"{mha}/{k}/kernel": 1 for k in ("query", "key", "value", "out")}
+                       | {f"Dense_{i}/kernel": 1 for i in range(3)})
+    # the key bias shifts every attention logit of a query equally: softmax ignores it
+    return LinenCase("linen-transformer", LinenLM(), batch, expected, seed, exclude=(f"{mha}/key/bias",))
+
+
+# -- Flax nnx -------------------------------------------------------------------------------
+class NnxCNN(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), dtype=F16, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, dtype=F16, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), dtype=F16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.linear1 = nnx.Linear(16 * 3 * 3, 32, dtype=F16, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 10, dtype=F16, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.avg_pool(nnx.relu(self.bn(self.conv1(x))), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.avg_pool(nnx.relu(self.conv2(x)), window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[0], -1)
+        return self.linear2(self.dropout(nnx.relu(self.linear1(x))))
+
+
+class NnxCase(JaxCase):
+    def __init__(self, seed: int = 0) -> None:
+        self.name = "nnx-bn-dropout"
+        self.seed = seed
+        key = jax.random.key(300 + seed)
+        self.batch = {"x": jax.random.normal(key, (8, 12, 12, 1)), "y": jnp.arange(8) % 10}
+        self.expected = Counter({"conv2/kernel": 1, "linear1/kernel": 1, "linear2/kernel": 1})
+        self.exclude = ("conv1/bias",)  # feeds BatchNorm: zero gradient
+
+    def model(self) -> NnxCNN:
+        return NnxCNN(nnx.Rngs(self.seed))
+
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+        model = self.model()
+        transform = nnx.value_and_grad
+        vg = _method_value_and_grad(method, factor, config, transform)
+
+        @nnx.jit
+        def step(model: NnxCNN, batch: dict[str, jax.Array]) -> Any:
+            def loss_fn(model: NnxCNN) -> tuple[jax.Array, None]:
+                return _xent(model(batch["x"]), batch["y"]), None
+            return vg(loss_fn)(model)
+
+        _, g, rep = step(model, self.batch)
+        return Grads(_names(g), rep)
+
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
+        model = self.model()
+        optimizer = nnx.Optimizer(model, jax_adaloss.adaloss(inner=optax.adam(1e-3)), wrt=nnx.Param)
+        before = _snapshot(nnx.state(model, nnx.Not(nnx.Param)))
+
+        @nnx.jit
+        def train_step(model: NnxCNN, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]) -> jax.Array:
+            def loss_fn(model: NnxCNN) -> jax.Array:
+                return factor * _xent(model(batch["x"]), batch["y"])
+            loss, grads = jax_adaloss.value_and_grad(loss_fn, config=config)(model)
+            optimizer.update(model, grads)
+            return loss
+
+        losses = [float(train_step(model, optimizer, self.batch)) / factor for _ in range(steps)]
+        after = _snapshot(nnx.state(model, nnx.Not(nnx.Param)))
+        return {"losses": losses, "skipped": int(optax.tree.get(optimizer.opt_state, "skipped")),
+                "state_changed": _changed(before, after), "step": int(optimizer.step[...])}
+
+
+def _changed(before: Any, after: Any) -> list[str]:
+    """Paths of the non-differentiated state whose values changed."""
+    b, a = _names(before), _names(after)
+    return sorted(k for k in b if np.any(b[k] != a[k]))
+
+
+def _snapshot(state: Any) -> Any:
+    """Copies of a state's values (key arrays as their raw data), to compare before/after."""
+    def copy(x: Any) -> Any:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.array(x)
+    return jax.tree.map(copy, state)
+
+
+# -- Equinox --------------------------------------------------------------------------------
+def _cast_to_compute(tree: Any) -> Any:
+    return jmp.get_policy("params=float32,compute=float16,output=float32").cast_to_compute(tree)
+
+
+class EquinoxCase(JaxCase):
+    def __init__(self, seed: int = 0) -> None:
+        self.name = "equinox-mlp"
+        key, kx = jax.random.split(jax.random.key(400 + seed))
+        self.model = eqx.nn.MLP(in_size=16, out_size=10, width_size=32, depth=2, key=key)
+        self.batch = {"x": jax.random.normal(kx, (8, 16)), "y": jnp.arange(8) % 10}
+        self.expected = Counter({"layers/1/weight": 1, "layers/2/weight": 1})
+
+    def _loss(self, static: Any, batch: dict[str, jax.Array]) -> Callable[..., Any]:
+        def loss_fn(params: Any) -> tuple[jax.Array, None]:
+            model = eqx.combine(_cast_to_compute(params), static)
+            logits = jax.vmap(model)(batch["x"].astype(F16))
+            return _xent(logits, batch["y"]), None
+        return loss_fn
+
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+        params, static = eqx.partition(self.model, eqx.is_inexact_array)
+        vg = _method_value_and_grad(method, factor, config, jax.value_and_grad)
+
+        @jax.jit
+        def step(params: Any, batch: dict[str, jax.Array]) -> Any:
+            return vg(self._loss(static, batch))(params)
+
+        _, g, rep = step(params, self.batch)
+        return Grads(_names(g), rep)
+
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
+        tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))
+        model = self.model
+        opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def train_step(model: Any, opt_state: Any, batch: dict[str, jax.Array]) -> Any:
+            params, static = eqx.partition(model, eqx.is_inexact_array)
+            loss_fn = self._loss(static, batch)
+            (loss, _), grads = jax_adaloss.value_and_grad(
+                lambda p: _times(loss_fn(p), factor), has_aux=True, config=config)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return eqx.apply_updates(model, updates), opt_state, loss
+
+        losses = []
+        for _ in range(steps):
+            model, opt_state, loss = train_step(model, opt_state, self.batch)
+            losses.append(float(loss) / factor)
+        return {"losses": losses, "skipped": int(optax.tree.get(opt_state, "skipped")),
+                "state_changed": [], "step": steps}
+
+
+CASES: dict[str, Callable[[], JaxCase]] = {
+    "linen-cnn": linen_cnn,
+    "linen-transformer": linen_transformer,
+    "nnx-bn-dropout": NnxCase,
+    "equinox-mlp": EquinoxCase,
+}
