@@ -97,7 +97,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ["framework", "model", "loss ×", "layers", *methods, "warnings"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["framework"], r["model"], f"{r['factor']:g}", f"{r['layers_found']}/{r['layers_expected']}"]
+        cells = [r["framework"], r["model"], f"{r['factor']:g}",
+                 f"{r['layers_found']}/{r['layers_expected']}"]
         for m in methods:
             e = r["errors"].get(m)
             cells.append("–" if e is None else f"{e['worst']:.3g} / {e['median']:.3g}")

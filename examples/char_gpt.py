@@ -53,50 +53,46 @@ def batches(text: str, seq: int, batch: int, seed: int):
         yield jnp.asarray(x), jnp.asarray(y)
 
 
-def make_loss(graphdef: Any, loss_factor: float):
-    def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(x).astype(jnp.float32)  # loss in fp32
-        logp = jax.nn.log_softmax(logits)
-        return -loss_factor * jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
-    return loss_fn
-
-
-def build(vocab: int, dtype: Any, seed: int = 0):
-    model = CharGPT(vocab, dtype=dtype, rngs=nnx.Rngs(seed))
-    return nnx.split(model)
-
-
 def train(mode: str, steps: int, lr: float, loss_factor: float, seed: int = 0) -> dict[str, Any]:
-    """Train with ``mode`` in {"fp32", "fp16", "fp16+adaloss"}; returns losses and telemetry."""
-    vocab = len(set(TEXT))
-    graphdef, params = build(vocab, jnp.float32 if mode == "fp32" else jnp.float16, seed)
-    loss_fn = make_loss(graphdef, loss_factor)
-    if mode == "fp16+adaloss":
-        tx = jax_adaloss.adaloss(inner=optax.adam(lr))
-        grad_fn = jax_adaloss.value_and_grad(loss_fn, return_report=True)
-    else:
-        tx = optax.adam(lr)
-        vg = jax.value_and_grad(loss_fn)
-        grad_fn = lambda p, x, y: (vg(p, x, y), None)  # noqa: E731
-    opt_state = tx.init(params)
+    """Train with ``mode`` in {"fp32", "fp16", "fp16+adaloss"}; returns losses and telemetry.
 
-    @jax.jit
-    def step(params, opt_state, x, y):
-        (loss, grads), report = grad_fn(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, report
+    The nnx idiom: the Module is passed to the gradient function (only its
+    ``nnx.Param``s are differentiated), the batch is closed over inside ``nnx.jit``,
+    and ``nnx.Optimizer`` applies the update. adaloss swaps in two names:
+    ``jax_adaloss.value_and_grad`` for ``nnx.value_and_grad`` and
+    ``adaloss(inner=...)`` around the optimizer.
+    """
+    vocab = len(set(TEXT))
+    model = CharGPT(vocab, dtype=jnp.float32 if mode == "fp32" else jnp.float16, rngs=nnx.Rngs(seed))
+    adaptive = mode == "fp16+adaloss"
+    tx = jax_adaloss.adaloss(inner=optax.adam(lr)) if adaptive else optax.adam(lr)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model: CharGPT, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Any:
+        def loss_fn(model: CharGPT) -> jax.Array:
+            logits = model(x).astype(jnp.float32)  # loss in fp32
+            logp = jax.nn.log_softmax(logits)
+            return -loss_factor * jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
+
+        if adaptive:
+            (loss, grads), report = jax_adaloss.value_and_grad(loss_fn, return_report=True)(model)
+        else:
+            (loss, grads), report = nnx.value_and_grad(loss_fn)(model), None
+        optimizer.update(model, grads)
+        return loss, report
 
     losses, report = [], None
     data = batches(TEXT, 64, 16, seed)
     t0 = time.perf_counter()
     for _ in tqdm(range(steps), desc=mode, leave=False, disable=None):
         x, y = next(data)
-        params, opt_state, loss, report = step(params, opt_state, x, y)
+        loss, report = step(model, optimizer, x, y)
         losses.append(loss)
     losses = [float(v) / loss_factor for v in jax.device_get(losses)]
     out = {"losses": losses, "seconds": time.perf_counter() - t0}
-    if mode == "fp16+adaloss":
-        out["skipped"] = int(optax.tree.get(opt_state, "skipped"))
+    if adaptive:
+        out["skipped"] = int(optax.tree.get(optimizer.opt_state, "skipped"))
         out["scales"] = {k: float(v.scale) for k, v in report.layers.items()}
         out["outgoing"] = {k: float(v.outgoing_scale) for k, v in report.layers.items()}
     return out

@@ -92,8 +92,8 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
         # torch, at the same weights
         load_flax(model, params)
         yt = torch.from_numpy(y.astype(np.int64))
-        tref = torch_bridge.layer_cotangents(model, functools.partial(_torch_loss, model, xt, yt, loss_factor),
-                                             loss_scale=1.0, config=config)
+        tloss = functools.partial(_torch_loss, model, xt, yt, loss_factor)
+        tref = torch_bridge.layer_cotangents(model, tloss, loss_scale=1.0, config=config)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             tvalue = loss_factor * torch_xent(model(xt), yt)

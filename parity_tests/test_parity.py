@@ -22,7 +22,6 @@ steps, where that noise averages out (at most 7.3e-5 apart here), within 2.5e-4.
 import warnings
 
 import numpy as np
-
 import pytest
 from harness import StepRecord, compare, run_pair
 

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 from torch_models import MLP
 
 import torch_bridge

@@ -9,6 +9,7 @@ from models import xent
 from test_gradients_match_fp32 import TOL, _rel_err
 
 import jax_adaloss
+from adaloss.report import AdaLossCoverageWarning
 
 F16, F32 = jnp.float16, jnp.float32
 KEY = jax.random.key(0)
@@ -76,7 +77,8 @@ def test_scan_is_one_opaque_block_passing_the_scale_through():
         h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ q["b"]), None), h, None, length=2)
         return h @ q["c"]
 
-    grads, report = _compare(body)
+    with pytest.warns(AdaLossCoverageWarning, match="1 matmul/convolution ops inside 1 scan"):
+        grads, report = _compare(body)
     # no layer inside the scan; the weight used inside gets the scale that entered the scan
     assert "b" not in report.layers and "c" in report.layers
     assert float(grads["b"].scale) == float(report.layers["c"].outgoing_scale)
@@ -88,8 +90,9 @@ def test_cond_is_one_opaque_block():
         h = jax.lax.cond(True, lambda h: jnp.tanh(h @ q["b"]), lambda h: h, h)
         return h @ q["c"]
 
-    _, report = _compare(body)
-    assert "b" not in report.layers
+    with pytest.warns(AdaLossCoverageWarning, match="inside 1 cond"):
+        _, report = _compare(body)
+    assert "b" not in report.layers and report.coverage.opaque_regions == 1
 
 
 class NnxMLP(nnx.Module):
