@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -62,6 +63,20 @@ class Coverage(NamedTuple):
 
 class AdaLossCoverageWarning(UserWarning):
     """Per-layer scaling did not engage where it should: the message says why and what to do."""
+
+
+def warn_coverage(opaque: str | None, missed: Sequence[str], no_layer: str | None,
+                  stacklevel: int = 2) -> None:
+    """One :class:`AdaLossCoverageWarning` naming every reason layers went unscaled: opaque
+    regions, weighted ops with a weight operand that got no scale, or no layer at all."""
+    problems = [opaque] if opaque else []
+    if missed:
+        problems.append(f"{len(missed)} weighted op(s) not scaled: {sorted(set(missed))}")
+    if no_layer:
+        problems.append(no_layer)
+    if problems:
+        warnings.warn("adaptive loss scaling: " + "; ".join(problems) + ".", AdaLossCoverageWarning,
+                      stacklevel=stacklevel + 1)
 
 
 class LayerUnderflow(NamedTuple):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +35,7 @@ from jax.extend import core as jcore
 
 from adaloss import solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
-from adaloss.report import AdaLossCoverageWarning, Coverage
+from adaloss.report import Coverage, warn_coverage
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 
 _CONST = "<const>"  # origin of values computed from constants only
@@ -228,24 +227,20 @@ class _Tape:
 
     def warn_coverage(self, weight_args: str) -> None:
         """Say once (per trace) when matmuls/convolutions that should scale do not."""
-        problems = []
+        opaque = no_layer = None
         if self.opaque:
-            kinds = sorted({p for p, _ in self.opaque})
-            problems.append(
-                f"{sum(n for _, n in self.opaque)} matmul/convolution ops inside {len(self.opaque)} "
-                f"{'/'.join(kinds)} region(s) get no per-layer scale (the scale entering the region "
-                "passes through it); unroll the loop or call the layers outside the region to scale them")
-        if self.missed:
-            problems.append(f"{len(self.missed)} weighted op(s) not scaled: {sorted(set(self.missed))}")
+            kinds = "/".join(sorted({p for p, _ in self.opaque}))
+            opaque = (f"{sum(n for _, n in self.opaque)} matmul/convolution ops inside "
+                      f"{len(self.opaque)} {kinds} region(s) get no per-layer scale (the scale entering "
+                      "the region passes through it); unroll the loop or call the layers outside the "
+                      "region to scale them")
         if self.layers_found == 0 and self.data_path_ops:
-            problems.append(
-                f"no layer found among {self.data_path_ops} matmul/convolution ops on the data path: none "
-                f"has an operand computed from the weights alone ({weight_args}). If the weights are in "
-                "another differentiated argument, pass weights=<its position>; weights passed as "
-                "non-differentiated arguments, or transformed with the data, are data")
-        if problems:
-            warnings.warn("adaptive loss scaling: " + "; ".join(problems) + ".", AdaLossCoverageWarning,
-                          stacklevel=4)
+            no_layer = (f"no layer found among {self.data_path_ops} matmul/convolution ops on the data "
+                        f"path: none has an operand computed from the weights alone ({weight_args}). If "
+                        "the weights are in another differentiated argument, pass weights=<its "
+                        "position>; weights passed as non-differentiated arguments, or transformed with "
+                        "the data, are data")
+        warn_coverage(opaque, self.missed, no_layer, stacklevel=4)
 
 
 def _weighted_inside(params: dict[str, Any]) -> int:

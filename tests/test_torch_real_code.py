@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch_models import MLP
 
 import torch_bridge
@@ -155,3 +156,70 @@ def test_frozen_weights_leave_no_layer_and_say_so():
             loss = torch.nn.functional.cross_entropy(model(x).float(), torch.arange(32) % 10)
         scaler.scale(loss).backward()
     assert scaler.coverage() == (3, 0, 0)
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A weight with a scalar factor and a cast, as muP/scaled init code writes it."""
+
+    def __init__(self, n_in, n_out, factor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.factor = factor
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * self.factor)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, weight_op="scalar", use_checkpoint=False):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.mid = _ScaledLinear(32, 32, 0.5)
+        self.out = torch.nn.Linear(32, 10)
+        self.weight_op, self.use_checkpoint = weight_op, use_checkpoint
+
+    def block(self, h):
+        if self.weight_op == "norm":  # weight normalisation: not a cast, move or scalar factor
+            w = self.mid.weight / self.mid.weight.norm(dim=1, keepdim=True)
+            return torch.tanh(torch.nn.functional.linear(h, w))
+        return torch.tanh(self.mid(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.block, h, use_reentrant=False) if self.use_checkpoint else self.block(h)
+        return self.out(h)
+
+
+def _scales_and_grads(net, x, y):
+    scaler = torch_bridge.AdaLossScaler(net)
+    net.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = 1e-6 * torch.nn.functional.cross_entropy(net(x).float(), y)
+    scaler.scale(loss).backward()
+    scales = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
+    return scales, {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+def test_checkpointed_weight_with_a_scalar_factor_is_rebuilt_exactly():
+    torch.manual_seed(0)
+    net = _Net()
+    x, y = torch.randn(32, 16), torch.arange(32) % 10
+    plain_scales, plain_grads = _scales_and_grads(net, x, y)
+    net.use_checkpoint = True
+    scales, grads = _scales_and_grads(net, x, y)
+    assert "mid.weight" in scales and scales == plain_scales
+    for n in grads:
+        torch.testing.assert_close(grads[n], plain_grads[n], rtol=0, atol=0)
+
+
+def test_checkpointed_weight_from_other_ops_raises_with_the_remedy():
+    torch.manual_seed(0)
+    net = _Net(weight_op="norm", use_checkpoint=True)
+    x, y = torch.randn(32, 16), torch.arange(32) % 10
+    with pytest.raises(RuntimeError, match="model='gradient'"):
+        _scales_and_grads(net, x, y)
+    scaler = torch_bridge.AdaLossScaler(net, torch_bridge.AdaLossConfig(model="gradient"))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = 1e-6 * torch.nn.functional.cross_entropy(net(x).float(), y)
+    scaler.scale(loss).backward()
+    assert net.mid.weight.grad is not None and net.mid.weight.grad.abs().sum() > 0

@@ -95,7 +95,8 @@ class NodePlan:
     act_edge: int = -1
     weight_attr: str = ""
     # the weight operand rebuilt from its parameter when the node's saved copy must not be
-    # read (saved-tensor hooks: torch.utils.checkpoint): (leaf position, ops in forward order)
+    # read (saved-tensor hooks: torch.utils.checkpoint): (leaf position, ops in forward order:
+    # ("cast", dtype) or ("mul" | "div" | "rdiv", (node position, attribute of the scalar)))
     recipe: tuple[int, tuple[tuple[str, Any], ...]] | None = None
     fan_in: int = 1
     narrow_dtype: torch.dtype | None = None  # a cast's: the dtype its cotangent is narrowed to
@@ -345,9 +346,8 @@ class _Builder:
                 i = plan.edges.index(live[0])
                 if i > 1 or not _scalar_operand(node, 1 - i):
                     return None
-                factor = getattr(node, _SCALAR_OPERAND[kind][1 - i]).data
                 op = "mul" if kind == "MulBackward0" else ("div" if i == 0 else "rdiv")
-                ops.append((op, factor))
+                ops.append((op, (o, _SCALAR_OPERAND[kind][1 - i])))  # read in each backward
             elif kind not in _STRUCTURAL:
                 return None
             o = live[0][0]

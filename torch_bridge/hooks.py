@@ -465,13 +465,10 @@ class ScaledBackward:
                 "the checkpointed region.")
         pos, ops = p.recipe
         w = self.plan.params[pos].detach()
-        for op, v in ops:
+        for op, arg in ops:
             if op == "cast":
-                w = w.to(v)
-            elif op == "mul":
-                w = w * v
-            elif op == "div":
-                w = w / v
-            else:
-                w = v / w
+                w = w.to(arg)
+                continue
+            v = getattr(self.plan.nodes[arg[0]], arg[1]).data  # this graph's scalar
+            w = w * v if op == "mul" else (w / v if op == "div" else v / w)
         return w

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import warnings
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import AdaLossCoverageWarning, Coverage, LayerReport
+from adaloss.report import Coverage, LayerReport, warn_coverage
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
@@ -333,22 +332,18 @@ class AdaLossScaler:
 
 def _warn_coverage(plan: ScalePlan) -> None:
     """Say once per graph structure when matmuls/convolutions that should scale do not."""
-    cov, problems = plan.coverage, []
+    cov = plan.coverage
+    opaque = no_layer = None
     if cov.opaque_regions:
-        problems.append(
-            f"{cov.opaque_regions} opaque region(s) (torch.compile, reentrant torch.utils.checkpoint, or "
-            "a custom autograd Function using parameters) get one scale decision at their boundary and "
-            "no per-layer scale inside; for per-layer scales, run the model uncompiled and use "
-            "checkpoint(..., use_reentrant=False)")
-    if plan.missed:
-        problems.append(f"{len(plan.missed)} weighted op(s) not scaled: {sorted(set(plan.missed))}")
+        opaque = (f"{cov.opaque_regions} opaque region(s) (torch.compile, reentrant torch.utils.checkpoint, "
+                  "or a custom autograd Function using parameters) get one scale decision at their "
+                  "boundary and no per-layer scale inside; for per-layer scales, run the model "
+                  "uncompiled and use checkpoint(..., use_reentrant=False)")
     if cov.layers == 0 and cov.weighted_ops:
-        problems.append(
-            f"no layer found among {cov.weighted_ops} matmul/convolution nodes: none has one operand "
-            "computed from parameters of the scaler's model alone (frozen or foreign weights are data)")
-    if problems:
-        warnings.warn("adaptive loss scaling: " + "; ".join(problems) + ".", AdaLossCoverageWarning,
-                      stacklevel=3)
+        no_layer = (f"no layer found among {cov.weighted_ops} matmul/convolution nodes: none has one "
+                    "operand computed from parameters of the scaler's model alone (frozen or foreign "
+                    "weights are data)")
+    warn_coverage(opaque, plan.missed, no_layer, stacklevel=3)
 
 
 def _skip_next_step(optimizer: torch.optim.Optimizer) -> None:
