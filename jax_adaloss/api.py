@@ -237,7 +237,8 @@ def _check_diff_dtype(dtype: Any, allow_int: bool) -> None:
         raise TypeError(
             "grad requires real-valued inputs (input dtype that is a sub-dtype of np.floating), "
             f"but got {dtype}. If you want to use Boolean- or integer-valued inputs, "
-            "set allow_int to True.")
+            "set allow_int to True. (An nnx RNG count or key? Pass the nnx Module itself: only its "
+            "nnx.Param are differentiated, the rest is written back.)")
 
 
 def _check_output(out: Any) -> None:

@@ -112,3 +112,9 @@ def test_the_same_module_twice_is_refused():
     model = Net(nnx.Rngs(0))
     with pytest.raises(ValueError, match="passed twice"):
         jax_adaloss.grad(lambda a, b: loss_fn(a, X, Y) + loss_fn(b, X, Y))(model, model)
+
+
+def test_a_split_state_with_rng_counts_names_the_module_remedy():
+    _, state = nnx.split(Net(nnx.Rngs(0)))  # the whole state: RNG counts and keys too
+    with pytest.raises(TypeError, match="Pass the nnx Module itself"):
+        jax_adaloss.grad(lambda s: jnp.sum(s["l1"]["kernel"][...]))(state)
