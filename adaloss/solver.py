@@ -15,7 +15,8 @@ For a layer ``y = x·Wᵀ`` whose incoming cotangent ``g`` carries scale ``P``
    - ``gradient``: σ² = Var[g]
 
 2. Smallest scale putting at most a fraction T of a N(0, σ) quantity below
-   u_min: ``s = u_min / (σ·√2·erfinv(T))``; then ``s = max(s, 1)``.
+   u_min: ``s = u_min / (σ·√2·erfinv(T))``; then ``s = max(s, 1)``. σ = 0 (no
+   spread to model) gives 1; an estimate beyond fp32 saturates, and the caps decide.
 3. Overflow cap: ``s = min(s, u_max / (n·m))`` with ``m`` the largest possible
    ``|g·W|`` (``gradient``: ``u_max / max|g|``); ``s = min(s, accum_bound / P)``;
    ``s = min(s, layer_bound)``; round down to a power of two.
@@ -127,17 +128,36 @@ def model_sigma(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     return sigma
 
 
-def _at_least_one(s: Array, xp: Any) -> Array:
-    """``max(s, 1)``; a non-finite or non-positive estimate (σ = 0: all-zero or
-    constant input, no spread to model) gives 1."""
+#: fp32's largest finite value: a statistical scale beyond it saturates here (the caps decide)
+F32_MAX = 3.4028234663852886e38
+_LOG_SATURATE = 88.0  # exp(88) ≈ 1.65e38 < F32_MAX: a log-scale above it saturates
+
+
+def _at_least_one(s: Array, has_spread: Array, xp: Any) -> Array:
+    """``max(s, 1)`` of a statistical scale. 1 where there is no spread to model (σ = 0:
+    all-zero or constant input; no non-zero entry) or the estimate is NaN (a non-finite
+    gradient, whose step is skipped anyway); an estimate beyond fp32 saturates at
+    :data:`F32_MAX`, so that the overflow caps and bounds decide, never 1."""
     one = xp.ones_like(s)
-    ok = xp.isfinite(s) & (s > 0)
+    s = xp.minimum(s, xp.full_like(s, F32_MAX))  # inf -> F32_MAX; NaN stays NaN
+    ok = has_spread & (s == s)
     return xp.maximum(xp.where(ok, s, one), one)
 
 
+def saturating_quotient(limit: float, x: Array, xp: Any) -> Array:
+    """``limit / x`` for ``x >= 0``, with ``x`` raised to at least ``max(limit / F32_MAX,
+    2^-126)`` first: the quotient stays finite (at most F32_MAX; ``2^-126``, fp32's smallest
+    normal, because XLA flushes subnormals) and NumPy scalars never warn. Where ``x = 0`` the
+    caller decides what the quotient means."""
+    floor = max(limit / F32_MAX, 2.0**-126)
+    return limit / xp.where(x > floor, x, xp.full_like(x, floor))
+
+
 def model_scale(config: AdaLossConfig, sigma: Array, xp: Any) -> Array:
-    """Step 2: ``max(u_min / (σ·√2·erfinv(T)), 1)``."""
-    return _at_least_one(config.underflow_limit / (sigma * config.z_two_sided), xp)
+    """Step 2: ``max(u_min / (σ·√2·erfinv(T)), 1)``; σ = 0 gives 1, a σ so small that the
+    quotient would leave fp32 saturates (:func:`saturating_quotient`)."""
+    s = saturating_quotient(config.underflow_limit, sigma * config.z_two_sided, xp)
+    return _at_least_one(s, sigma > 0, xp)
 
 
 def overflow_cap(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
@@ -154,8 +174,8 @@ def overflow_cap(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
 
 
 def _cap(limit: float, m: Array, xp: Any) -> Array:
-    safe = xp.where(m > 0, m, xp.ones_like(m))
-    return xp.where(m > 0, limit / safe, xp.full_like(m, float("inf")))
+    """``limit / m``, finite (inf when ``m = 0``: nothing can overflow)."""
+    return xp.where(m > 0, saturating_quotient(limit, m, xp), xp.full_like(m, float("inf")))
 
 
 def bounded_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
@@ -199,10 +219,16 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
 
 
 def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any) -> Array:
-    """Step 7's statistical scale: ``u_min / exp(μ_ln + z·σ_ln)``, at least 1 (1 if all zero)."""
+    """Step 7's statistical scale: ``u_min / exp(μ_ln + z·σ_ln)``, at least 1 (1 if all zero).
+
+    A log-scale beyond fp32 (a confident softmax: σ_ln of 11-22) saturates, so that the
+    caps decide."""
     log_s = (xp.log(xp.asarray(config.underflow_limit, dtype=xp.float32))
              - ls.mean - ls.std * config.z_lower)
-    return _at_least_one(xp.where(ls.count > 0, xp.exp(log_s), xp.ones_like(log_s)), xp)
+    log_s = xp.minimum(log_s, xp.full_like(log_s, _LOG_SATURATE))
+    s = xp.exp(log_s)
+    s = xp.where(log_s >= _LOG_SATURATE, xp.full_like(s, F32_MAX), s)
+    return _at_least_one(s, ls.count > 0, xp)
 
 
 def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
@@ -240,8 +266,8 @@ def predicted_underflow(config: AdaLossConfig, sigma: Array, scale: Array,
     """Fraction of a N(0, σ) quantity that still falls below u_min after scaling
     by ``scale``: ``erf(u_min / (scale·σ·√2))`` (0 when σ = 0)."""
     denom = scale * sigma * 2.0**0.5
-    safe = xp.where(denom > 0, denom, xp.ones_like(denom))
-    return xp.where(denom > 0, erf(config.underflow_limit / safe), xp.zeros_like(denom))
+    q = saturating_quotient(config.underflow_limit, denom, xp)
+    return xp.where(denom > 0, erf(q), xp.zeros_like(denom))
 
 
 def predicted_underflow_lognormal(config: AdaLossConfig, ls: LogStats, scale: Array,
@@ -249,8 +275,8 @@ def predicted_underflow_lognormal(config: AdaLossConfig, ls: LogStats, scale: Ar
     """Fraction of the non-zero ``|g|`` (log-normal) still below u_min after scaling:
     ``Φ((ln(u_min / scale) − μ_ln) / σ_ln)``."""
     z = xp.log(config.underflow_limit / scale) - ls.mean
-    safe = xp.where(ls.std > 0, ls.std, xp.ones_like(ls.std))
+    safe = xp.where(ls.std > 1e-30, ls.std, xp.ones_like(ls.std))
     smooth = 0.5 * (1.0 + erf(z / (safe * 2.0**0.5)))
     step = xp.astype(z > 0, xp.float32)
-    out = xp.where(ls.std > 0, smooth, step)
+    out = xp.where(ls.std > 1e-30, smooth, step)
     return xp.where(ls.count > 0, out, xp.zeros_like(out))
