@@ -1,5 +1,5 @@
 """torch_bridge on the patterns real PyTorch code uses: activation checkpointing (both kinds,
-through HF's ``gradient_checkpointing_enable``), ``torch.compile``, ``model.half()``, bf16
+through HF's ``activation_checkpointing_enable``), ``torch.compile``, ``model.half()``, bf16
 autocast. Each works, or refuses with a clear error; none returns wrong or zero gradients."""
 
 import warnings
