@@ -54,10 +54,15 @@ def test_reentrant_checkpointing_scales_its_hidden_parameters(gpt2, factor):
     assert err.median < 2 * base.median + 1e-3 and err.worst < 2 * base.worst + 1e-3
 
 
-def _mlp_case():
+def _seeded(make=MLP):
+    """A model made after ``torch.manual_seed(0)``, and a batch of 32 (x: [32, 16], 10 classes)."""
     torch.manual_seed(0)
-    model = MLP()
-    x, y = torch.randn(32, 16), torch.arange(32) % 10
+    model = make()
+    return model, torch.randn(32, 16), torch.arange(32) % 10
+
+
+def _mlp_case():
+    model, x, y = _seeded()
     with torch.autocast("cpu", dtype=torch.float16):
         ref = torch.nn.functional.cross_entropy(model(x).float(), y)
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
@@ -117,9 +122,8 @@ def test_region_scale_backs_off_after_an_overflow_and_is_checkpointed():
 
 
 def test_unscaling_fp16_gradients_is_refused_as_by_gradscaler():
-    torch.manual_seed(0)
-    model = MLP().half()
-    x, y = torch.randn(32, 16).half(), torch.arange(32) % 10
+    model, x, y = _seeded()
+    model, x = model.half(), x.half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch_bridge.AdaLossScaler(model)
     scaler.scale(1e-6 * torch.nn.functional.cross_entropy(model(x).float(), y)).backward()
@@ -132,9 +136,7 @@ def test_unscaling_fp16_gradients_is_refused_as_by_gradscaler():
 
 
 def test_grad_format_must_match_the_autocast_dtype():
-    torch.manual_seed(0)
-    model = MLP()
-    x, y = torch.randn(32, 16), torch.arange(32) % 10
+    model, x, y = _seeded()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
     with pytest.raises(ValueError, match="grad_format='float16'.*bfloat16"):
@@ -201,9 +203,7 @@ def _scales_and_grads(net, x, y):
 
 
 def test_checkpointed_weight_with_a_scalar_factor_is_rebuilt_exactly():
-    torch.manual_seed(0)
-    net = _Net()
-    x, y = torch.randn(32, 16), torch.arange(32) % 10
+    net, x, y = _seeded(_Net)
     plain_scales, plain_grads = _scales_and_grads(net, x, y)
     net.use_checkpoint = True
     scales, grads = _scales_and_grads(net, x, y)
@@ -213,9 +213,7 @@ def test_checkpointed_weight_with_a_scalar_factor_is_rebuilt_exactly():
 
 
 def test_checkpointed_weight_from_other_ops_raises_with_the_remedy():
-    torch.manual_seed(0)
-    net = _Net(weight_op="norm", use_checkpoint=True)
-    x, y = torch.randn(32, 16), torch.arange(32) % 10
+    net, x, y = _seeded(lambda: _Net(weight_op="norm", use_checkpoint=True))
     with pytest.raises(RuntimeError, match="model='gradient'"):
         _scales_and_grads(net, x, y)
     scaler = torch_bridge.AdaLossScaler(net, torch_bridge.AdaLossConfig(model="gradient"))
