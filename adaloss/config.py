@@ -28,11 +28,20 @@ GRAD_FORMATS: dict[str, type] = {
 }
 
 
-class FormatLimits(NamedTuple):
-    """Range of a gradient format: smallest positive (subnormal) and largest finite value."""
+#: The largest scale "no bound" allows (``layer_bound``/``accum_bound`` = None): far beyond
+#: any useful scale (a gradient of 2^-126, fp32's smallest normal, needs 2^112 to reach fp16's
+#: normal range only if it is to be kept at all), small enough that ``1/scale`` is a normal
+#: fp32 number and a scaled fp32 weight gradient stays finite.
+UNBOUNDED = 2.0**64
 
-    u_min: float
+
+class FormatLimits(NamedTuple):
+    """Range of a gradient format: smallest positive normal, smallest positive (subnormal)
+    and largest finite value."""
+
+    u_min: float  # smallest normal: below it fewer than 11 (fp16) significant bits remain
     u_max: float
+    subnormal: float
 
 
 def format_limits(grad_format: str) -> FormatLimits:
@@ -42,7 +51,7 @@ def format_limits(grad_format: str) -> FormatLimits:
             f"grad_format must be one of {sorted(GRAD_FORMATS)}, got {grad_format!r}"
         )
     info = ml_dtypes.finfo(GRAD_FORMATS[grad_format])
-    return FormatLimits(float(info.smallest_subnormal), float(info.max))
+    return FormatLimits(float(info.smallest_normal), float(info.max), float(info.smallest_subnormal))
 
 
 def _check(cond: bool, field: str, allowed: str, value: object) -> None:
@@ -64,15 +73,21 @@ class AdaLossConfig:
         ``"product"`` (spread of one product g·W), ``"output"`` (spread of the
         layer's input gradient, ``product`` times sqrt(relu_fraction·n)) or
         ``"gradient"`` (spread of the incoming gradient alone).
-      layer_bound: largest scale one layer may apply; ``None``: the format's ``u_max``.
-      accum_bound: largest accumulated scale a gradient may carry; ``None``: ``u_max``.
+      layer_bound: largest scale one layer may apply; ``None``: no bound
+        (:data:`UNBOUNDED`). The overflow caps still hold every cotangent below ``u_max``.
+      accum_bound: largest accumulated scale a gradient may carry; ``None``: no bound
+        (:data:`UNBOUNDED`): weight gradients are fp32 (JAX) or are unscaled in fp32, and
+        an overflow backs the scales off (``AdaLossState.log2_headroom``).
       power_of_two: round every scale down to a power of two (exact rescaling).
       init_scale: scale multiplied into the loss cotangent before backprop.
       grad_format: number format of the low-precision cotangents: ``float16`` or
         ``bfloat16``; ``u_min``/``u_max`` come from it. It must be the dtype the model's
         backward runs in: a layer or cast whose cotangent is in another 16-bit format
         raises ``ValueError``.
-      u_min: override of the format's smallest subnormal (the authors used 6.0e-8).
+      u_min: override of the format's smallest *normal* number (2^-14 for fp16), the level
+        below which a value counts as underflowing. The method's own choice is the smallest
+        subnormal (the authors used 6.0e-8): it keeps values from becoming zero but leaves
+        them with a few bits (see the README's departures).
       u_max: override of the format's largest finite value.
       update_every: recompute the statistical part of each layer's scale every
         N calls and reuse it in between; the overflow caps always use the
@@ -81,6 +96,10 @@ class AdaLossConfig:
         fan-in assumed non-zero.
       cast_rule: choose a scale (log-normal model) where backprop narrows a
         cotangent, e.g. the fp32 loss cotangent cast to fp16.
+      backoff_interval: finite steps in a row after which the back-off exponent (raised by
+        one on every step with a non-finite gradient; kept in ``AdaLossState`` /
+        ``AdaLossScaler.state_dict()``) is lowered by one, as a dynamic loss scale grows
+        back after 2000 (GradScaler, jmp).
     """
 
     threshold: float = 1e-3
@@ -95,6 +114,7 @@ class AdaLossConfig:
     update_every: int = 1
     relu_fraction: float = 0.5
     cast_rule: bool = True
+    backoff_interval: int = 2000
 
     def __post_init__(self) -> None:
         _check(_is_real(self.threshold) and 0.0 < self.threshold < 0.5,
@@ -118,13 +138,15 @@ class AdaLossConfig:
         _check(isinstance(self.cast_rule, bool), "cast_rule", "a bool", self.cast_rule)
         _check(isinstance(self.update_every, int) and not isinstance(self.update_every, bool)
                and self.update_every >= 1, "update_every", "an int >= 1", self.update_every)
+        _check(isinstance(self.backoff_interval, int) and not isinstance(self.backoff_interval, bool)
+               and self.backoff_interval >= 1, "backoff_interval", "an int >= 1", self.backoff_interval)
         _check(_is_real(self.relu_fraction) and 0 < self.relu_fraction <= 1,
                "relu_fraction", "a float in (0, 1]", self.relu_fraction)
 
     @classmethod
     def authors_preset(cls, model: StatModel = "gradient", **overrides: object) -> AdaLossConfig:
         """The authors' defaults: T=1e-3, layer bound 16, accumulated bound 1024,
-        powers of two, u_min=6.0e-8, u_max=65504 (fp16).
+        powers of two, u_min=6.0e-8 (fp16's smallest subnormal), u_max=65504 (fp16).
 
         ``model`` defaults to ``"gradient"``, the model their final code runs
         (their W-based models were unreachable there).
@@ -137,7 +159,7 @@ class AdaLossConfig:
     # Resolved numbers (what the solver uses).
     @property
     def underflow_limit(self) -> float:
-        """``u_min``: the override, else the format's smallest subnormal."""
+        """``u_min``: the override, else the format's smallest normal number."""
         return self.u_min if self.u_min is not None else format_limits(self.grad_format).u_min
 
     @property
@@ -147,11 +169,13 @@ class AdaLossConfig:
 
     @property
     def layer_limit(self) -> float:
-        return self.layer_bound if self.layer_bound is not None else self.overflow_limit
+        """``layer_bound``, or :data:`UNBOUNDED`."""
+        return self.layer_bound if self.layer_bound is not None else UNBOUNDED
 
     @property
     def accum_limit(self) -> float:
-        return self.accum_bound if self.accum_bound is not None else self.overflow_limit
+        """``accum_bound``, or :data:`UNBOUNDED`."""
+        return self.accum_bound if self.accum_bound is not None else UNBOUNDED
 
     @property
     def z_two_sided(self) -> float:

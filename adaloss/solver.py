@@ -17,8 +17,8 @@ For a layer ``y = x·Wᵀ`` whose incoming cotangent ``g`` carries scale ``P``
 2. Smallest scale putting at most a fraction T of a N(0, σ) quantity below
    u_min: ``s = u_min / (σ·√2·erfinv(T))``; then ``s = max(s, 1)``. σ = 0 (no
    spread to model) gives 1; an estimate beyond fp32 saturates, and the caps decide.
-3. Overflow cap: ``s = min(s, u_max / (n·m))`` with ``m`` the largest possible
-   ``|g·W|`` (``gradient``: ``u_max / max|g|``); ``s = min(s, accum_bound / P)``;
+3. Overflow cap: ``s = min(s, u_max / max|g|, u_max / (n·m))`` with ``m`` the largest
+   possible ``|g·W|`` (``gradient``: ``u_max / max|g|`` only); ``s = min(s, accum_bound / P)``;
    ``s = min(s, layer_bound)``; round down to a power of two.
 
 A narrowing cast uses a log-normal model of the non-zero ``|g|``:
@@ -153,24 +153,30 @@ def saturating_quotient(limit: float, x: Array, xp: Any) -> Array:
     return limit / xp.where(x > floor, x, xp.full_like(x, floor))
 
 
-def model_scale(config: AdaLossConfig, sigma: Array, xp: Any) -> Array:
-    """Step 2: ``max(u_min / (σ·√2·erfinv(T)), 1)``; σ = 0 gives 1, a σ so small that the
-    quotient would leave fp32 saturates (:func:`saturating_quotient`)."""
-    s = saturating_quotient(config.underflow_limit, sigma * config.z_two_sided, xp)
+def model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None) -> Array:
+    """Step 2: ``max(b·u_min / (σ·√2·erfinv(T)), 1)``; σ = 0 gives 1, a σ so small that the
+    quotient would leave fp32 saturates (:func:`saturating_quotient`). ``b`` is the back-off
+    factor (``2^-h``, default 1)."""
+    s = _backed_off(saturating_quotient(config.underflow_limit, sigma * config.z_two_sided, xp), backoff)
     return _at_least_one(s, sigma > 0, xp)
 
 
+def _backed_off(x: Array, backoff: Array | None) -> Array:
+    """``x · backoff`` (a power of two ≤ 1: exact, never overflows); ``x`` without one."""
+    return x if backoff is None else x * backoff
+
+
 def overflow_cap(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
-                 fan_in: int, xp: Any) -> Array:
-    """Largest scale that keeps the layer's output below u_max (inf when m = 0)."""
+                 fan_in: int, xp: Any, backoff: Array | None = None) -> Array:
+    """Largest scale that keeps the scaled cotangent ``s·g`` and the layer's output below
+    ``b·u_max`` (inf when g = 0)."""
     m = absmax(g, xp)
-    limit = config.overflow_limit
+    cap = _cap(config.overflow_limit, m, xp)  # s·g itself is stored in the gradient format
     if config.model != "gradient" and w is not None:
         # the largest |product| of an entry of g and one of W: max|g|·max|W| (exactly,
-        # as rounding is monotonic)
-        m = m * absmax(w, xp)
-        limit = config.overflow_limit / fan_in
-    return _cap(limit, m, xp)
+        # as rounding is monotonic), summed over at most fan_in terms
+        cap = xp.minimum(cap, _cap(config.overflow_limit / fan_in, m * absmax(w, xp), xp))
+    return _backed_off(cap, backoff)
 
 
 def _cap(limit: float, m: Array, xp: Any) -> Array:
@@ -179,11 +185,11 @@ def _cap(limit: float, m: Array, xp: Any) -> Array:
 
 
 def bounded_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
-                  xp: Any) -> Array:
+                  xp: Any, backoff: Array | None = None) -> Array:
     """Step 3 after ``max(s, 1)``, before rounding: overflow cap, accumulated
-    bound, layer bound (the result may be < 1)."""
+    bound (times the back-off factor), layer bound (the result may be < 1)."""
     s = xp.minimum(s, cap)
-    s = xp.minimum(s, config.accum_limit / incoming)
+    s = xp.minimum(s, _backed_off(config.accum_limit / incoming, backoff))
     return xp.minimum(s, xp.full_like(s, config.layer_limit))
 
 
@@ -193,38 +199,43 @@ def round_scale(config: AdaLossConfig, s: Array, xp: Any) -> Array:
 
 
 def _decide(config: AdaLossConfig, s_model: Array, cap: Array, incoming: Array, sigma: Array,
-            xp: Any) -> LayerScale:
-    raw = bounded_scale(config, s_model, cap, incoming, xp)
+            xp: Any, backoff: Array | None) -> LayerScale:
+    raw = bounded_scale(config, s_model, cap, incoming, xp, backoff)
     return LayerScale(round_scale(config, raw, xp), s_model, sigma, raw)
 
 
 def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
                 fan_in: int, incoming: Array, xp: Any,
                 cached_model_scale: Array | None = None,
-                cached_sigma: Array | None = None) -> LayerScale:
+                cached_sigma: Array | None = None, backoff: Array | None = None) -> LayerScale:
     """The scale a weighted layer applies to its input cotangent.
 
     ``cached_model_scale`` replaces the statistical part (``update_every``);
     the overflow caps always come from the current ``g`` and ``w`` (their min
     and max). With ``cached_sigma`` too, σ is not recomputed (``g``/``w`` may
-    then lack their moments).
+    then lack their moments). ``backoff`` (``2^-h`` after overflowed steps, see
+    :func:`backoff_factor`) moves the whole target range [u_min, u_max] down by it.
     """
     if cached_model_scale is not None and cached_sigma is not None:
         sigma = cached_sigma
     else:
         sigma = model_sigma(config, g, w, fan_in, xp)
-    s_model = model_scale(config, sigma, xp) if cached_model_scale is None else cached_model_scale
-    cap = overflow_cap(config, g, w, fan_in, xp)
-    return _decide(config, s_model, cap, incoming, sigma, xp)
+    s_model = (model_scale(config, sigma, xp, backoff) if cached_model_scale is None
+               else cached_model_scale)
+    cap = overflow_cap(config, g, w, fan_in, xp, backoff)
+    return _decide(config, s_model, cap, incoming, sigma, xp, backoff)
 
 
-def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any) -> Array:
+def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any,
+                     backoff: Array | None = None) -> Array:
     """Step 7's statistical scale: ``u_min / exp(μ_ln + z·σ_ln)``, at least 1 (1 if all zero).
 
     A log-scale beyond fp32 (a confident softmax: σ_ln of 11-22) saturates, so that the
     caps decide."""
     log_s = (xp.log(xp.asarray(config.underflow_limit, dtype=xp.float32))
              - ls.mean - ls.std * config.z_lower)
+    if backoff is not None:
+        log_s = log_s + xp.log(backoff)
     log_s = xp.minimum(log_s, xp.full_like(log_s, _LOG_SATURATE))
     s = xp.exp(log_s)
     s = xp.where(log_s >= _LOG_SATURATE, xp.full_like(s, F32_MAX), s)
@@ -232,14 +243,44 @@ def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any) -> Array:
 
 
 def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
-               cached_model_scale: Array | None = None) -> LayerScale:
+               cached_model_scale: Array | None = None, backoff: Array | None = None) -> LayerScale:
     """Scale for a cotangent about to be narrowed to the gradient format (log-normal model).
 
     ``sigma`` in the result is σ_ln; an all-zero cotangent gives scale 1.
     """
-    s_model = cast_model_scale(config, ls, xp) if cached_model_scale is None else cached_model_scale
-    cap = _cap(config.overflow_limit, ls.absmax, xp)
-    return _decide(config, s_model, cap, incoming, ls.std, xp)
+    s_model = (cast_model_scale(config, ls, xp, backoff) if cached_model_scale is None
+               else cached_model_scale)
+    cap = _backed_off(_cap(config.overflow_limit, ls.absmax, xp), backoff)
+    return _decide(config, s_model, cap, incoming, ls.std, xp, backoff)
+
+
+#: Most back-off steps: the target range may move down by at most 2^-MAX_BACKOFF.
+MAX_BACKOFF = 24
+
+
+def backoff_factor(h: Array, xp: Any) -> Array:
+    """``2^-h`` in fp32, exactly, for the back-off exponent ``h`` (int32 or fp32, ≥ 0)."""
+    h = xp.astype(h, xp.int32)
+    return xp.ldexp(xp.ones_like(h, dtype=xp.float32), -h)
+
+
+def backoff_update(config: AdaLossConfig, h: Array, good: Array, finite: Array, xp: Any
+                   ) -> tuple[Array, Array]:
+    """The back-off exponent ``h`` and its count of finite steps after one step.
+
+    A step with a non-finite gradient raises ``h`` by one (at most :data:`MAX_BACKOFF`) and
+    restarts the count: every later decision aims ``2×`` lower in the format's range, so a
+    deterministic overflow cannot recur step after step. ``config.backoff_interval``
+    finite steps in a row lower ``h`` by one again (not below 0), as a dynamic loss scale
+    grows back. On device, with no host sync: ``h`` and ``good`` are int32 0-d arrays.
+    """
+    zero = xp.zeros_like(h)
+    good = xp.where(finite, good + 1, zero)
+    recover = good >= config.backoff_interval
+    h_up = xp.minimum(h + 1, xp.full_like(h, MAX_BACKOFF))
+    h_down = xp.maximum(h - 1, zero)
+    h = xp.where(finite, xp.where(recover, h_down, h), h_up)
+    return h, xp.where(recover, zero, good)
 
 
 def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float,

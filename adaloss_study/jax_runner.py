@@ -152,6 +152,7 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: flo
     def step(params: Any, state: Any, x: Any, y: Any) -> Any:
         opt_state, cache = state if cached else (state, None)
         kwargs = {"adaloss_cache": cache} if cache is not None else {}
+        kwargs["adaloss_state"] = opt_state  # the back-off after skipped steps
         (value, grads), report = vg(params, x, y, _ONE, **kwargs)
         updates, opt_state = tx.update(grads, opt_state, params)
         scales = {}

@@ -14,8 +14,9 @@
   forward (``jmp``'s ``cast_to_compute``), split with ``eqx.partition``.
 
 Every model computes in fp16 with fp32 parameters. :meth:`JaxCase.grads` runs one
-backward of the same fp16 forward under a method (``reference``: ``jax.grad`` of
-the loss ×1; ``fp16``: ``jax.grad`` of the loss × factor; ``static``: a fixed
+backward of the same fp16 forward under a method (``reference``: that forward's
+backward computed in fp32, loss ×1: its exact gradient, which fp16 weight gradients
+miss by their rounding; ``fp16``: ``jax.grad`` of the loss × factor; ``static``: a fixed
 loss scale, ``jmp.StaticLossScale(2**15)``; ``adaloss``) inside ``jax.jit``, the
 batch closed over, and returns fp64 NumPy gradients divided by the factor.
 :meth:`JaxCase.train` runs the library's own training step with only the
@@ -42,6 +43,7 @@ from flax.training import train_state
 
 import jax_adaloss
 from adaloss.config import AdaLossConfig
+from jax_adaloss.api import _value_and_grad
 
 F16 = jnp.float16
 STATIC_SCALE = 2.0**15
@@ -86,9 +88,15 @@ def _method_value_and_grad(method: str, factor: float, config: AdaLossConfig | N
                 ((_, aux), g), rep = vg(x)
                 return aux, jax.tree.map(lambda a: a / factor, jax_adaloss.unscale_tree(g)), rep
             return run
-        if method == "reference":
-            scale, f = jmp.NoOpLossScale(), 1.0
-        elif method == "fp16":
+        if method == "reference":  # the same 16-bit forward, its backward in fp32
+            vg = _value_and_grad(lambda x: _times(loss(x), 1.0), 0, True, config, False, False, False,
+                                 adaptive=False, fp32_backward=True)
+
+            def run_ref(x: Any) -> Any:
+                (_, aux), g = vg(x)
+                return aux, jax_adaloss.unscale_tree(g), None
+            return run_ref
+        if method == "fp16":
             scale, f = jmp.NoOpLossScale(), factor
         elif method == "static":
             scale, f = jmp.StaticLossScale(jnp.asarray(STATIC_SCALE, jnp.float32)), factor
@@ -230,7 +238,7 @@ class LinenCase(JaxCase):
                 return factor * _xent(logits, batch["y"]), updates
 
             grad_fn = jax_adaloss.value_and_grad(loss_fn, has_aux=True, config=config)
-            (loss, updates), grads = grad_fn(state.params)
+            (loss, updates), grads = grad_fn(state.params, adaloss_state=state.opt_state)
             state = state.apply_gradients(grads=grads)
             return state.replace(batch_stats=updates.get("batch_stats", state.batch_stats)), loss
 
@@ -314,7 +322,8 @@ class NnxCase(JaxCase):
         def train_step(model: NnxCNN, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]) -> jax.Array:
             def loss_fn(model: NnxCNN) -> jax.Array:
                 return factor * _xent(model(batch["x"]), batch["y"])
-            loss, grads = jax_adaloss.value_and_grad(loss_fn, config=config)(model)
+            loss, grads = jax_adaloss.value_and_grad(loss_fn, config=config)(
+                model, adaloss_state=optimizer.opt_state)
             optimizer.update(model, grads)
             return loss
 
@@ -380,7 +389,8 @@ class EquinoxCase(JaxCase):
             params, static = eqx.partition(model, eqx.is_inexact_array)
             loss_fn = self._loss(static, batch)
             (loss, _), grads = jax_adaloss.value_and_grad(
-                lambda p: _times(loss_fn(p), factor), has_aux=True, config=config)(params)
+                lambda p: _times(loss_fn(p), factor), has_aux=True, config=config)(
+                params, adaloss_state=opt_state)
             updates, opt_state = tx.update(grads, opt_state, params)
             return eqx.apply_updates(model, updates), opt_state, loss
 

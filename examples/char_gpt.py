@@ -76,7 +76,8 @@ def train(mode: str, steps: int, lr: float, loss_factor: float, seed: int = 0) -
             return -loss_factor * jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
 
         if adaptive:
-            (loss, grads), report = jax_adaloss.value_and_grad(loss_fn, return_report=True)(model)
+            (loss, grads), report = jax_adaloss.value_and_grad(loss_fn, return_report=True)(
+                model, adaloss_state=optimizer.opt_state)  # back-off after skipped steps
         else:
             (loss, grads), report = nnx.value_and_grad(loss_fn)(model), None
         optimizer.update(model, grads)

@@ -9,7 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from adaloss import solver
 from adaloss.config import AdaLossConfig
 from jax_adaloss import _nnx
 from jax_adaloss.backward import _is_float, scaled_backward
@@ -17,6 +19,7 @@ from jax_adaloss.report import BackwardReport, ScaleCache
 from jax_adaloss.scaled_grad import ScaledGrad
 
 CACHE_KWARG = "adaloss_cache"
+STATE_KWARG = "adaloss_state"
 
 Argnums = Any  # int | nnx.DiffState | a sequence of them
 
@@ -86,6 +89,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool 
     ``cache`` as the keyword argument ``adaloss_cache=`` (it is not forwarded to
     ``fun``). ``capture_cotangents=True`` (with ``return_report``) also puts each
     layer's incoming cotangent in ``report.cotangents``, for underflow measurements.
+
+    Back-off: pass the optimizer state holding :func:`jax_adaloss.adaloss`'s state as the
+    keyword argument ``adaloss_state=`` (not forwarded to ``fun``; any pytree containing
+    one :class:`AdaLossState`, e.g. ``opt_state`` or ``nnx.Optimizer.opt_state``). After
+    skipped steps its ``backoff`` exponent ``h`` lowers every decision's target range by
+    ``2^-h``, so a deterministic overflow cannot repeat every step. Without it ``h = 0``.
     """
     return _value_and_grad(fun, argnums, has_aux, config, allow_int, return_report, capture_cotangents,
                            adaptive=True, weights=weights, wrt=wrt)
@@ -94,9 +103,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool 
 def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
                     config: AdaLossConfig | None, allow_int: bool, return_report: bool,
                     capture_cotangents: bool, adaptive: bool,
-                    weights: int | Sequence[int] | None = None, wrt: Any = None) -> Callable[..., Any]:
+                    weights: int | Sequence[int] | None = None, wrt: Any = None,
+                    fp32_backward: bool = False) -> Callable[..., Any]:
     """:func:`value_and_grad`; ``adaptive=False`` scales by ``config.init_scale`` only
-    (a global loss scale, for measurements)."""
+    (a global loss scale, for measurements); with ``fp32_backward=True`` too, the backward
+    runs in fp32 (the low-precision forward's exact gradient: a reference)."""
     config = AdaLossConfig() if config is None else config
     if not isinstance(config, AdaLossConfig):
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
@@ -110,7 +121,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
 
     def core(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              nums_pos: tuple[int, ...], weight_pos: tuple[int, ...], cache: ScaleCache | None,
-             aux_out: bool) -> tuple[Any, Any, list[Any], BackwardReport]:
+             aux_out: bool, backoff: Any = None) -> tuple[Any, Any, list[Any], BackwardReport]:
         with_path, treedef = jax.tree_util.tree_flatten_with_path((list(args), kwargs))
         flat = [leaf for _, leaf in with_path]
         dyn: list[int] = []
@@ -152,7 +163,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         outs, cts, report = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
-                                             capture_cotangents, adaptive)
+                                             capture_cotangents, adaptive, fp32_backward, backoff)
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
         grad_leaves: list[Any] = list(flat)
         for i, d, ct in zip(dyn, diff, cts):
@@ -171,6 +182,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         cache: ScaleCache | None = kwargs.pop(CACHE_KWARG, None)
+        backoff = _backoff(kwargs.pop(STATE_KWARG, None))
         n = len(args)
         for a in nums:
             if not -n <= a < n:
@@ -180,9 +192,10 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         wpos = _weight_nums(weights, pos, n)
         if _nnx.has_graph_nodes((args, kwargs)):
             value, aux, grads_args, report = _nnx.call(core, fun, args, kwargs, pos, wpos, filters,
-                                                       has_aux, cache)
+                                                       has_aux, cache, backoff)
         else:
-            value, aux, grads_args, report = core(fun, args, kwargs, pos, wpos or pos[:1], cache, has_aux)
+            value, aux, grads_args, report = core(fun, args, kwargs, pos, wpos or pos[:1], cache, has_aux,
+                                                  backoff)
         grads = grads_args[pos[0]] if single else tuple(grads_args[a] for a in pos)
         result = ((value, aux), grads) if has_aux else (value, grads)
         return (result, report) if return_report else result
@@ -212,6 +225,22 @@ def grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False,
         return (result, report) if return_report else result
 
     return wrapped
+
+
+def _backoff(state: Any) -> jax.Array | None:
+    """``2^-h`` from the ``backoff`` exponent of the :class:`AdaLossState` inside ``state``."""
+    if state is None:
+        return None
+    try:
+        h = optax.tree.get(state, "backoff")
+    except (KeyError, ValueError) as e:  # e.g. several AdaLossStates
+        h, why = None, f": {e}"
+    else:
+        why = ": it holds none"
+    if h is None:
+        raise TypeError(f"{STATE_KWARG}= must be a pytree holding one jax_adaloss.adaloss() state "
+                        f"(e.g. the optimizer state), got {type(state).__name__}{why}")
+    return solver.backoff_factor(jnp.asarray(h), jnp)
 
 
 def _as_diff_leaf(leaf: Any, path: Any, allow_int: bool) -> jax.Array:

@@ -37,6 +37,7 @@ from adaloss import solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import Coverage, warn_coverage
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
+from jax_adaloss.weight_grads import dot_weight_grad, wide_vjp, widenable
 
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -74,6 +75,9 @@ class _Node:
     wgt: int = -1  # index into ``diff`` of the weight operand (-1: weight not differentiated)
     weight: Any = None
     fan_in: int = 1
+    eqn: Any = None  # (primitive, bind params, input values): to transpose it widened
+    wide: tuple[int, ...] = ()  # positions in ``diff`` whose cotangent goes to a weight
+    widenable: bool = False  # the equation can be re-bound on fp32 inputs
 
 
 class _Tape:
@@ -163,8 +167,15 @@ class _Tape:
         origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], prim.name)
         outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
                 for v in out_vals]
-        node = _Node("op", ins, outs, vjp, diff)
+        node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals))
         if vjp is not None:
+            node.widenable = widenable(eqn.params)  # not the bind params: custom rules' are functions
+            if node.widenable:
+                # every cotangent bound for a weight: its incoming cotangent may already be
+                # fp32 (an fp32 master weight's cast receives one), which a transpose typed
+                # for the 16-bit output would narrow
+                node.wide = tuple(k for k, i in enumerate(diff)
+                                  if self.origin[ins[i]] not in (None, _CONST))
             self._classify(node, eqn, vals)
             self.nodes.append(node)
         return outs
@@ -199,7 +210,7 @@ class _Tape:
             node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
             self._check_format(jnp.result_type(self.values[node.outs[0]]), f"layer {node.name}")
         elif (prim == "convert_element_type" and self.config.cast_rule
-              and node.diff == (0,)):
+              and node.diff == (0,) and self.origin[node.ins[0]] is None):
             src = jnp.dtype(jnp.result_type(vals[0]))
             dst = jnp.dtype(eqn.params["new_dtype"])
             if _is_float(src) and _is_float(dst) and src.itemsize < dst.itemsize <= 8 \
@@ -272,8 +283,10 @@ class _Sweep:
     """Reverse sweep over a ``_Tape``: cotangents with the scales they carry."""
 
     def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
-                 capture: bool = False, adaptive: bool = True) -> None:
-        self.tape, self.config = tape, config
+                 capture: bool = False, adaptive: bool = True, fp32: bool = False,
+                 backoff: Any = None) -> None:
+        self.tape, self.config, self.fp32 = tape, config, fp32
+        self.backoff = backoff  # 2^-h (fp32) from the back-off state, or None
         self.capture, self.adaptive = capture, adaptive
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
@@ -289,7 +302,10 @@ class _Sweep:
     # -- merging ----------------------------------------------------------------
     def _u_max(self, dtype: Any) -> float:
         dtype = jnp.dtype(dtype)
-        return float(jnp.finfo(dtype).max) if dtype.itemsize > 2 else self.config.overflow_limit
+        if dtype.itemsize > 2:
+            return float(jnp.finfo(dtype).max)
+        limit = self.config.overflow_limit
+        return limit if self.backoff is None else limit * self.backoff
 
     def merge(self, parts: list[tuple[Any, Any]]) -> tuple[Any, Any]:
         """Sum contributions, bringing different scales to one (method.md step 5)."""
@@ -298,7 +314,7 @@ class _Sweep:
         first = parts[0][1]
         if all(p[1] is first for p in parts):
             return _sum([p[0] for p in parts]), first
-        dtype = jnp.result_type(parts[0][0])
+        dtype = jnp.result_type(*[p[0] for p in parts])
         absmax = [jnp.max(jnp.abs(p[0])).astype(_F32) for p in parts]
         target = solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp)
         return _sum([_rescale(ct, target / s) for ct, s in parts]), target
@@ -331,8 +347,24 @@ class _Sweep:
             elif node.kind == "cast" and self.adaptive:
                 self._cast(node, out_cts[0], scale)
             else:
-                for pos, ct in zip(node.diff, node.vjp(out_cts)):
+                for pos, ct in zip(node.diff, self._transpose(node, out_cts)):
                     self.cts[node.ins[pos]].append((ct, scale))
+
+    def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
+        """The node's input cotangents; those going to a weight in (at least) fp32
+        (:mod:`jax_adaloss.weight_grads`), the others in their primal's dtype."""
+        if self.fp32 and node.widenable:
+            return wide_vjp(*node.eqn, node.diff)(out_cts)
+        narrow = [_like(c, self.tape.values[s]) for c, s in zip(out_cts, node.outs)]
+        if not node.wide:
+            return node.vjp(narrow)
+        wide = wide_vjp(*node.eqn, node.diff)(out_cts)
+        if len(node.wide) == len(node.diff):
+            return wide
+        cts = list(node.vjp(narrow))
+        for k in node.wide:
+            cts[k] = wide[k]
+        return cts
 
     def _statistical(self, name: str, fresh: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """(statistical scale, its spread) of a decision: ``fresh()`` on recompute calls
@@ -355,32 +387,44 @@ class _Sweep:
         def fresh() -> tuple[Any, Any]:
             ws = None if weight is None else solver.tensor_stats(weight, jnp)
             sigma = solver.model_sigma(cfg, solver.tensor_stats(g, jnp), ws, node.fan_in, jnp)
-            return solver.model_scale(cfg, sigma, jnp), sigma
+            return solver.model_scale(cfg, sigma, jnp, self.backoff), sigma
 
         s_model, sigma = self._statistical(node.name, fresh)
         g_ext = solver.extrema(g, jnp)  # the caps use current statistics on every call
         w_ext = None if weight is None else solver.extrema(weight, jnp)
         d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
-                               cached_model_scale=s_model, cached_sigma=sigma)
+                               cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
         outgoing = incoming * d.scale
         act_ct = node.vjp([_rescale(g, d.scale)])[node.act]
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if node.wgt >= 0:
-            w_ct = node.vjp([g])[node.wgt]
+            w_ct = self._weight_grad(node, g)
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
         pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
         self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp))
+
+    def _weight_grad(self, node: _Node, g: Any) -> Any:
+        """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
+        weight: a ``dot_general`` accumulates in fp32, a convolution runs widened."""
+        if node.wgt not in node.wide:
+            return node.vjp([g])[node.wgt]
+        prim, params, vals = node.eqn
+        w, x = node.diff[node.wgt], node.diff[node.act]
+        if prim.name == "dot_general":
+            return dot_weight_grad(g, vals[x], vals[w], params["dimension_numbers"], w,
+                                   params.get("precision"))
+        return wide_vjp(prim, params, vals, (w,))([g])[0]
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
 
         def fresh() -> tuple[Any, Any]:
             ls = solver.log_stats(g, jnp)
-            return solver.cast_model_scale(cfg, ls, jnp), ls
+            return solver.cast_model_scale(cfg, ls, jnp, self.backoff), ls
 
         s_model, ls = self._statistical(node.name, fresh)
         ls = ls._replace(absmax=jnp.max(jnp.abs(g)).astype(_F32))  # the cap: current max|g|
-        d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=s_model)
+        d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=s_model, backoff=self.backoff)
         outgoing = incoming * d.scale
         (ct,) = node.vjp([_rescale(g, d.scale)])
         self.cts[node.ins[0]].append((ct, outgoing))
@@ -417,6 +461,15 @@ def _rescale(ct: Any, factor: Any) -> Any:
     return (ct.astype(wide) * factor.astype(wide)).astype(dtype)
 
 
+def _like(ct: Any, value: Any) -> Any:
+    """A float cotangent in its primal's dtype (a widened weight-path cotangent narrowed back
+    for a transpose that expects the primal's dtype)."""
+    dtype = jnp.result_type(value)
+    if _is_float(dtype) and jnp.result_type(ct) != dtype:
+        return ct.astype(dtype)
+    return ct
+
+
 def _zero_ct(value: Any) -> Any:
     dtype = jnp.result_type(value)
     if _is_float(dtype):
@@ -426,7 +479,8 @@ def _zero_ct(value: Any) -> Any:
 
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Sequence[bool],
                     origins: Sequence[str | None], config: AdaLossConfig,
-                    cache: ScaleCache | None, capture: bool = False, adaptive: bool = True
+                    cache: ScaleCache | None, capture: bool = False, adaptive: bool = True,
+                    fp32: bool = False, backoff: Any = None
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
@@ -434,8 +488,11 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     (``None``: data, differentiated or not). The jaxpr's constants (arrays the function
     closed over: an outer ``jit``'s batch) are data. ``capture`` keeps each layer's
     incoming cotangent in the report; ``adaptive=False`` applies no per-layer scale
-    (one global scale: ``init_scale``). Returns the outputs, ``(cotangent, scale)``
-    (or ``None``: not differentiated, or unused) per flat argument, and the report.
+    (one global scale: ``init_scale``); with ``fp32=True`` too, every cotangent is computed
+    in fp32 (the 16-bit forward's exact gradient, a reference for measurements). ``backoff``
+    (``2^-h``, fp32, or None) lowers every decision's target range. Returns the outputs,
+    ``(cotangent, scale)`` (or ``None``: not differentiated, or unused) per flat argument,
+    and the report.
     """
     tape = _Tape(config)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
@@ -445,7 +502,8 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
         names = sorted({o.split("/")[0] for o in origins if o is not None})
         tape.warn_coverage(f"weight leaves under {', '.join(names)}" if names else "no weight leaves")
     outs = [tape.values[s] for s in out_slots]
-    sweep = _Sweep(tape, config, cache, capture, adaptive)
+    sweep = _Sweep(tape, config, cache, capture, adaptive, fp32=fp32 and not adaptive,
+                   backoff=backoff)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from adaloss import solver
 from adaloss.config import AdaLossConfig
 from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad
 
@@ -37,6 +38,12 @@ class AdaLossState(NamedTuple):
       consecutive_skipped: skipped updates since the last finite one (int32).
       last_finite: whether the last update's gradients were all finite.
       scales: per-leaf fp32 scale of the last update's gradients (1 for plain arrays).
+      backoff: the back-off exponent ``h`` (int32): every skipped step raises it by one,
+        ``config.backoff_interval`` finite steps in a row lower it by one. Pass this state
+        to the backward (``value_and_grad(...)(params, batch, adaloss_state=opt_state)``)
+        and its decisions aim ``2^-h`` lower in the format's range, so that an overflow
+        cannot recur step after step.
+      backoff_good: finite steps since ``backoff`` last changed (int32).
       inner_state: state of ``inner`` (``optax.EmptyState()`` without one).
     """
 
@@ -45,6 +52,8 @@ class AdaLossState(NamedTuple):
     consecutive_skipped: jax.Array
     last_finite: jax.Array
     scales: Any
+    backoff: jax.Array
+    backoff_good: jax.Array
     inner_state: Any
 
 
@@ -84,7 +93,7 @@ def adaloss(config: AdaLossConfig | None = None,
     """Unscale per-leaf scaled gradients in fp32 and skip non-finite steps.
 
     Args:
-      config: the :class:`AdaLossConfig` (kept for symmetry with the backward;
+      config: the :class:`AdaLossConfig` of the backward (its ``backoff_interval``;
         unscaling needs only the scales the gradients carry).
       inner: optional transformation to run on the unscaled gradients with a
         guaranteed skip (see the module docstring).
@@ -94,6 +103,7 @@ def adaloss(config: AdaLossConfig | None = None,
     """
     if config is not None and not isinstance(config, AdaLossConfig):
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+    config = AdaLossConfig() if config is None else config
     if inner is not None and hasattr(inner, "gradient_transformation"):
         inner = inner.gradient_transformation()  # optax.MultiSteps
     if inner is not None and not (hasattr(inner, "init") and hasattr(inner, "update")):
@@ -106,6 +116,7 @@ def adaloss(config: AdaLossConfig | None = None,
             count=zero, skipped=zero, consecutive_skipped=zero,
             last_finite=jnp.asarray(True),
             scales=jax.tree.map(_one, params),
+            backoff=zero, backoff_good=zero,
             inner_state=wrapped.init(params) if wrapped is not None else optax.EmptyState(),
         )
 
@@ -123,12 +134,14 @@ def adaloss(config: AdaLossConfig | None = None,
         else:
             new_updates = unscaled
         skipped = jnp.logical_not(finite).astype(jnp.int32)
+        backoff, good = solver.backoff_update(config, state.backoff, state.backoff_good, finite, jnp)
         return new_updates, AdaLossState(
             count=optax.safe_increment(state.count),
             skipped=state.skipped + skipped,
             consecutive_skipped=jnp.where(finite, 0, state.consecutive_skipped + 1),
             last_finite=finite,
             scales=scales,
+            backoff=backoff, backoff_good=good,
             inner_state=inner_state,
         )
 

@@ -31,14 +31,17 @@ STEPS = 20
 LOSS_FACTOR = 1e-4  # small enough that plain fp16 gradients underflow
 LR = 300.0  # = 0.03 / LOSS_FACTOR: the weights really move
 # unscaled gradients at the same weights and scales, fp16 kernels apart: at most 2.4e-2
-# (the CNN), 7e-3 (MLP), 3.5e-3 (residual), 2.2e-3 (GPT) on this machine
-GRAD_TOL = 0.05
+# (the CNN), 7e-3 (MLP), 3.5e-3 (residual), 2.2e-3 (GPT) on this machine. Under the method's
+# subnormal limits JAX's fp32 weight gradients and torch's fp16 ones (computed by the node
+# from cotangents a few subnormal quanta above zero) differ more: up to 7.0e-2 (the CNN).
+GRAD_TOL = {"default": 0.05, "method": 0.1}
 UNDERFLOW_TOL = 2e-3
 MEAN_UNDERFLOW_TOL = 2.5e-4
 CONFIGS = {
     "default": AdaLossConfig(),
-    # a loose accumulated bound lets the layers, not only the loss cast, pick scales
-    "loose": AdaLossConfig(accum_bound=2.0**24),
+    # the method's own limits (u_min = the smallest subnormal, both bounds u_max): cotangents
+    # in the subnormal range, where the frameworks' fp16 kernels round differently
+    "method": AdaLossConfig(u_min=2.0**-24, layer_bound=65504.0, accum_bound=65504.0),
 }
 
 
@@ -48,7 +51,7 @@ def test_scales_and_underflow_match_across_frameworks(model, config):
     cfg = CONFIGS[config]
     jx, tr = run_pair(model, STEPS, cfg, LR, LOSS_FACTOR)
     result = compare(jx, tr, underflow_tol=UNDERFLOW_TOL, mean_underflow_tol=MEAN_UNDERFLOW_TOL,
-                     grad_tol=GRAD_TOL)
+                     grad_tol=GRAD_TOL[config])
     for case in result.boundary:
         warnings.warn(f"{model}/{config}: power-of-two boundary case: {case}", stacklevel=1)
     assert not result.mismatches, "\n".join(result.mismatches)
@@ -107,10 +110,10 @@ def test_compare_flags_gradients_apart_except_on_boundary_or_skipped_steps():
     a = _record({"a": 1.0}, {"a": 1.0}, {"a": 1.0})
     b = _record({"a": 1.0}, {"a": 1.0}, {"a": 1.0})
     a.grads, b.grads = {"w": np.ones(4)}, {"w": np.full(4, 1.1)}
-    result = compare([a], [b], grad_tol=GRAD_TOL)
+    result = compare([a], [b], grad_tol=GRAD_TOL["default"])
     assert len(result.grad_diffs) == 1 and result.worst_grad == pytest.approx(0.1)
     b.grads = {"w": np.full(4, 1.01)}
-    assert not compare([a], [b], grad_tol=GRAD_TOL).grad_diffs
+    assert not compare([a], [b], grad_tol=GRAD_TOL["default"]).grad_diffs
     b.skipped = a.skipped = True
     b.grads = {"w": np.zeros(4)}
-    assert compare([a], [b], grad_tol=GRAD_TOL).worst_grad == 0.0
+    assert compare([a], [b], grad_tol=GRAD_TOL["default"]).worst_grad == 0.0

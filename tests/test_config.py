@@ -8,6 +8,7 @@ import ml_dtypes
 import pytest
 
 from adaloss import AdaLossConfig, format_limits
+from adaloss.config import UNBOUNDED
 
 
 @pytest.mark.parametrize("field, value", [
@@ -37,9 +38,10 @@ def test_config_is_frozen_and_hashable():
 def test_format_limits_come_from_finfo(name, dtype):
     info = ml_dtypes.finfo(dtype)
     lim = format_limits(name)
-    assert lim == (float(info.smallest_subnormal), float(info.max))
+    assert lim == (float(info.smallest_normal), float(info.max), float(info.smallest_subnormal))
     cfg = AdaLossConfig(grad_format=name)
-    assert cfg.layer_limit == cfg.accum_limit == float(info.max)
+    assert cfg.underflow_limit == float(info.smallest_normal)
+    assert cfg.layer_limit == cfg.accum_limit == UNBOUNDED
 
 
 @pytest.mark.parametrize("name", ["float8_e5m2", "float8_e4m3fn", "float32"])

@@ -15,11 +15,12 @@ import pytest
 import jax_adaloss
 from jax_adaloss import AdaLossConfig
 
-U_MIN, U_MAX = 2.0**-24, 65504.0
+U_MAX = 65504.0
 Z = NormalDist().inv_cdf(0.5 + 1e-3 / 2)  # sqrt(2)·erfinv(T)
 
 
-def expected_scale(model, g, w, n, incoming, layer_bound=U_MAX, accum_bound=U_MAX):
+def expected_scale(model, g, w, n, incoming, cfg):
+    """The decision by hand, with ``cfg``'s resolved u_min and bounds."""
     g = g.astype(np.float64)
     w = w.astype(np.float64)
     if model == "gradient":
@@ -31,8 +32,9 @@ def expected_scale(model, g, w, n, incoming, layer_bound=U_MAX, accum_bound=U_MA
             sigma *= math.sqrt(0.5 * n)
         m = max(abs(a * b) for a in (g.min(), g.max()) for b in (w.min(), w.max()))
         limit = U_MAX / n
-    s = max(U_MIN / (sigma * Z), 1.0)
-    s = min(s, limit / m, accum_bound / incoming, layer_bound)
+    s = max(cfg.underflow_limit / (sigma * Z), 1.0)
+    # s·g itself must fit too (and, product/output, the layer's output)
+    s = min(s, U_MAX / np.abs(g).max(), limit / m, cfg.accum_limit / incoming, cfg.layer_limit)
     return 2.0 ** math.floor(math.log2(s))
 
 
@@ -53,20 +55,19 @@ def loss(p, tokens, r):
 
 
 @pytest.mark.parametrize("model", ["product", "output", "gradient"])
-@pytest.mark.parametrize("bounds", [{}, {"layer_bound": 16.0, "accum_bound": 1024.0}])
+@pytest.mark.parametrize("bounds", [{}, {"layer_bound": 16.0, "accum_bound": 1024.0},
+                                    {"u_min": 2.0**-24, "layer_bound": U_MAX, "accum_bound": U_MAX}])
 def test_two_layer_scales_by_hand(model, bounds):
     params, tokens, r = setup()
     cfg = AdaLossConfig(model=model, **bounds)
     grads, report = jax.jit(jax_adaloss.grad(loss, config=cfg, return_report=True))(
         params, tokens, r)
-    lb = {k: v for k, v in bounds.items()}
-
-    s2 = expected_scale(model, r, params["W2"], 8, 1.0, **lb)
+    s2 = expected_scale(model, r, params["W2"], 8, 1.0, cfg)
     h1 = np.maximum(params["E"][tokens].astype(np.float32) @ params["W1"].astype(np.float32), 0)
     h1 = h1.astype(np.float16)
     g1 = ((r.astype(np.float32) * s2).astype(np.float16).astype(np.float32)
           @ params["W2"].astype(np.float32).T).astype(np.float16) * (h1 > 0)
-    s1 = expected_scale(model, g1, params["W1"], 32, s2, **lb)
+    s1 = expected_scale(model, g1, params["W1"], 32, s2, cfg)
 
     # jnp.sum accumulates fp16 in fp32: its cast sees a cotangent of ones, scale 1
     assert set(report.layers) == {"W1", "W2", "cast:0"}

@@ -1,4 +1,6 @@
-"""The solver's formulas against hand-computed values (fp16: u_min = 2^-24, u_max = 65504).
+"""The solver's formulas against hand-computed values, under the method's own limits
+(``METHOD``: fp16's smallest subnormal u_min = 2^-24, u_max = 65504 as both bounds); the
+defaults (u_min = 2^-14, no layer or accumulated bound) are pinned separately.
 
 Constants used below: sqrt(2)·erfinv(1e-3) = 1.25331e-3, so for σ the scale
 before bounds is 2^-24 / (σ · 1.25331e-3) = 4.75579e-5 / σ.
@@ -12,7 +14,7 @@ import pytest
 from jax.scipy.special import erf
 
 from adaloss import solver
-from adaloss.config import AdaLossConfig
+from adaloss.config import UNBOUNDED, AdaLossConfig
 
 F = jnp.float32
 
@@ -24,6 +26,12 @@ def stats(mean, var, lo, hi):
 G = stats(0.0, 1e-12, -1e-5, 1e-5)  # σ_g = 1e-6
 W = stats(0.0, 1e-2, -0.3, 0.3)  # σ_W = 0.1
 ONE = F(1.0)
+METHOD = dict(u_min=2.0**-24, layer_bound=65504.0, accum_bound=65504.0)
+
+
+def cfg_(**overrides):
+    """A config with the method's limits (``METHOD``), then ``overrides``."""
+    return AdaLossConfig(**{**METHOD, **overrides})
 
 
 def scale(cfg, g=G, w=W, n=64, incoming=ONE):
@@ -31,10 +39,18 @@ def scale(cfg, g=G, w=W, n=64, incoming=ONE):
 
 
 def test_erfinv_constants():
-    cfg = AdaLossConfig()
+    cfg = cfg_()
     assert cfg.z_two_sided == pytest.approx(1.25331e-3, rel=1e-5)
     assert cfg.z_lower == pytest.approx(-3.090232, rel=1e-6)
     assert cfg.underflow_limit == 2.0**-24 and cfg.overflow_limit == 65504.0
+
+
+def test_default_limits_are_the_normal_range_with_no_bounds():
+    cfg = AdaLossConfig()
+    assert cfg.underflow_limit == 2.0**-14 and cfg.overflow_limit == 65504.0
+    assert cfg.layer_limit == cfg.accum_limit == UNBOUNDED == 2.0**64
+    # the same σ needs 2^10 more scale to stay normal than to stay non-zero
+    assert scale(AdaLossConfig()) == 1024 * scale(cfg_())
 
 
 @pytest.mark.parametrize("model, sigma, expected", [
@@ -43,41 +59,41 @@ def test_erfinv_constants():
     ("gradient", 1e-6, 32.0),            # 47.558 -> 32
 ])
 def test_each_model_scale(model, sigma, expected):
-    cfg = AdaLossConfig(model=model)
+    cfg = cfg_(model=model)
     assert float(solver.model_sigma(cfg, G, W, 64, jnp)) == pytest.approx(sigma, rel=1e-5)
     assert scale(cfg) == expected
 
 
 def test_without_power_of_two_the_raw_scale_is_kept():
-    assert scale(AdaLossConfig(power_of_two=False)) == pytest.approx(475.579, rel=1e-4)
+    assert scale(cfg_(power_of_two=False)) == pytest.approx(475.579, rel=1e-4)
 
 
 def test_scale_is_at_least_one_before_the_caps():
     big = stats(0.0, 1.0, -1e-3, 1e-3)  # σ_g = 1: raw 4.7e-4 -> 1
-    assert scale(AdaLossConfig(), g=big) == 1.0
+    assert scale(cfg_(), g=big) == 1.0
 
 
 def test_overflow_cap_divides_u_max_by_fan_in_for_product():
     # m = max|g·W| = 0.5 · 2 = 1; cap = 65504 / 4096 / 1 = 15.99 -> 8
     g = stats(0.0, 1e-12, -0.5, 0.5)
     w = stats(0.0, 1e-2, -2.0, 1.0)
-    assert scale(AdaLossConfig(), g=g, w=w, n=4096) == 8.0
+    assert scale(cfg_(), g=g, w=w, n=4096) == 8.0
 
 
 def test_overflow_cap_for_gradient_model_uses_max_abs_g():
     # cap = 65504 / 2^18 = 0.2499 -> 0.125: a scale below one
     g = stats(0.0, 1e-12, -(2.0**18), 1.0)
-    assert scale(AdaLossConfig(model="gradient"), g=g) == 0.125
+    assert scale(cfg_(model="gradient"), g=g) == 0.125
 
 
 def test_accumulated_bound():
     # 65504 / 1024 = 63.97 -> 32 ; authors' accum bound 1024 / 1024 = 1
-    assert scale(AdaLossConfig(), incoming=F(1024.0)) == 32.0
-    assert scale(AdaLossConfig(layer_bound=1e6, accum_bound=1024.0), incoming=F(1024.0)) == 1.0
+    assert scale(cfg_(), incoming=F(1024.0)) == 32.0
+    assert scale(cfg_(layer_bound=1e6, accum_bound=1024.0), incoming=F(1024.0)) == 1.0
 
 
 def test_layer_bound():
-    assert scale(AdaLossConfig(layer_bound=16.0)) == 16.0
+    assert scale(cfg_(layer_bound=16.0)) == 16.0
     assert scale(AdaLossConfig.authors_preset(model="product")) == 16.0
 
 
@@ -85,22 +101,22 @@ def test_authors_u_min_changes_the_power_of_two():
     # raw scale u_min/(σ·z) with σ chosen so that 2^-24 gives just below 2 and 6e-8 just above
     sigma = 2.0**-24 / (1.25331e-3 * 1.999)
     g = stats(0.0, sigma**2, -1e-6, 1e-6)
-    assert scale(AdaLossConfig(model="gradient"), g=g) == 1.0
-    assert scale(AdaLossConfig(model="gradient", u_min=6.0e-8), g=g) == 2.0
+    assert scale(cfg_(model="gradient"), g=g) == 1.0
+    assert scale(cfg_(model="gradient", u_min=6.0e-8), g=g) == 2.0
 
 
 @pytest.mark.parametrize("model", ["product", "output", "gradient"])
 def test_all_zero_statistics_give_scale_one(model):
     z = stats(0.0, 0.0, 0.0, 0.0)
-    d = solver.layer_scale(AdaLossConfig(model=model), z, z, 64, ONE, jnp)
+    d = solver.layer_scale(cfg_(model=model), z, z, 64, ONE, jnp)
     assert float(d.scale) == 1.0 and np.isfinite(float(d.model_scale))
 
 
 def test_constant_tensor_gives_scale_one():
     const = stats(1e-3, 0.0, 1e-3, 1e-3)  # gradient model: σ = 0
-    assert scale(AdaLossConfig(model="gradient"), g=const) == 1.0
+    assert scale(cfg_(model="gradient"), g=const) == 1.0
     w_const = stats(0.5, 0.0, 0.5, 0.5)
-    assert scale(AdaLossConfig(), g=stats(1.0, 0.0, 1.0, 1.0), w=w_const) == 1.0
+    assert scale(cfg_(), g=stats(1.0, 0.0, 1.0, 1.0), w=w_const) == 1.0
 
 
 def test_tensor_stats_match_numpy():
@@ -113,7 +129,7 @@ def test_tensor_stats_match_numpy():
 
 
 def test_log_normal_cast_scale():
-    cfg = AdaLossConfig()
+    cfg = cfg_()
     x = jnp.full((100,), 1e-9, jnp.float32).at[::2].set(0.0)
     ls = solver.log_stats(x, jnp)
     assert float(ls.count) == 50 and float(ls.std) == pytest.approx(0.0, abs=1e-6)
@@ -126,9 +142,9 @@ def test_log_normal_cast_scale():
 
 def test_log_normal_on_all_zero_gives_one_not_nan():
     ls = solver.log_stats(jnp.zeros((7,)), jnp)
-    d = solver.cast_scale(AdaLossConfig(), ls, ONE, jnp)
+    d = solver.cast_scale(cfg_(), ls, ONE, jnp)
     assert float(d.scale) == 1.0
-    assert float(solver.predicted_underflow_lognormal(AdaLossConfig(), ls, d.scale, erf, jnp)) == 0
+    assert float(solver.predicted_underflow_lognormal(cfg_(), ls, d.scale, erf, jnp)) == 0
 
 
 @pytest.mark.parametrize("second_absmax, expected", [
@@ -149,7 +165,7 @@ def test_pow2_floor_is_exact():
 
 
 def test_predicted_underflow_matches_threshold_at_the_raw_scale():
-    cfg = AdaLossConfig(power_of_two=False)
+    cfg = cfg_(power_of_two=False)
     sigma = F(1e-6)
     s = solver.model_scale(cfg, sigma, jnp)
     assert float(solver.predicted_underflow(cfg, sigma, s, erf, jnp)) == pytest.approx(1e-3, rel=1e-3)

@@ -71,8 +71,10 @@ def test_grad_scales_and_layer_reports():
         assert 0.0 <= float(r.predicted_underflow) <= 1.0
         assert float(r.outgoing_scale) == float(r.incoming_scale * r.scale)
         assert float(r.scale) <= float(r.unrounded_scale) < 2 * float(r.scale)
-    # the output layer's weight gradient carries the scale arriving at that layer (method step 4)
-    assert float(scales["net.4.weight"]) == float(reps["net.4.weight"].incoming_scale)
+    # the node computes the output layer's weight gradient from s·g in fp16: it carries the
+    # scale leaving that layer, P·s, and is never rescaled in fp16 (unscaled once, in fp32)
+    assert float(scales["net.4.weight"]) == float(reps["net.4.weight"].outgoing_scale)
+    assert float(scales["net.4.weight"]) > float(reps["net.4.weight"].incoming_scale)
 
 
 def test_calls_in_the_wrong_order_raise():

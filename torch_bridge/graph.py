@@ -107,7 +107,7 @@ class NodePlan:
 
     @property
     def hooked_after(self) -> bool:
-        return self.kind in ("layer", "region") or bool(self.stash_edges)
+        return self.kind == "region" or bool(self.stash_edges)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +406,10 @@ class _Builder:
             for i, e in enumerate(plan.edges):
                 if e is None:
                     continue
-                sym = plan.send if plan.kind in ("cast", "region") or i == plan.act_edge else plan.sym
+                # a layer's weight and bias gradients are computed by the node from s·g in
+                # fp16: they carry P·s too (rescaling them by 1/s in fp16 would lose the
+                # small entries; they are unscaled once, in fp32)
+                sym = plan.send if plan.kind != "op" else plan.sym
                 plan.edge_syms[i] = sym
                 contribs[e[0]][e[1]].append((plan.index, i, sym))
 

@@ -7,8 +7,10 @@ host), NumPy scalars for CPU gradients (:mod:`torch_bridge._xp`).
 
 - A layer's pre-hook computes its scale ``s`` from the incoming cotangent ``g``
   (carrying ``P``) and its weight, and hands the node ``s·g``: the input
-  gradient carries ``P·s``. Its post-hook multiplies the weight and bias
-  gradients by ``1/s`` (in fp32), so they carry ``P``, as in method.md step 4.
+  gradient carries ``P·s``; so do the weight and bias gradients the node computes
+  from ``s·g``: they are not rescaled in fp16 (which would lose their small
+  entries) but unscaled once, in fp32, by the scaler (a departure from method.md
+  step 4, where they carry ``P``).
 - A cast's pre-hook scales the fp32 cotangent by the log-normal rule before the
   node narrows it.
 - At a merge point each consumer's post-hook stashes its contribution (the
@@ -186,8 +188,11 @@ class ScaledBackward:
                  spreads: dict[str, Any] | None = None, capture: bool = False,
                  host_math: bool = True, adaptive: bool = True,
                  hidden: Sequence[torch.Tensor] = (),
-                 region_scale: Callable[[str, torch.device], torch.Tensor] | None = None) -> None:
+                 region_scale: Callable[[str, torch.device], torch.Tensor] | None = None,
+                 backoff: torch.Tensor | None = None) -> None:
         self.plan, self.config = plan, config
+        self.backoff = backoff  # 2^-h from the scaler's back-off state (fp32 0-d), or None
+        self.bo: Any = None  # the same in the pass's scalar namespace
         self.region_scale = region_scale or (lambda name, device: torch.ones((), device=device))
         self.on_leaf, self.on_done = on_leaf, on_done
         self.recompute = recompute
@@ -254,7 +259,6 @@ class ScaledBackward:
         self.values: list[torch.Tensor | None] = [None] * self.plan.n_syms
         self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}  # (node, output)
         self.carried: set[tuple[int, int]] = set()
-        self.layer_s: dict[int, torch.Tensor] = {}
         self.decisions: dict[str, _Decision] = {}
         self.model_scales: dict[str, torch.Tensor] = {}
         self.new_spreads: dict[str, Any] = {}
@@ -306,12 +310,6 @@ class ScaledBackward:
         if p.kind == "region" and self.regions:
             self.regions.pop()
         gi = list(grad_inputs)
-        s = self.layer_s.pop(i, None)
-        if s is not None:
-            inv = self.sm.to_torch(1.0 / s)
-            for j, t in enumerate(gi):
-                if j != p.act_edge and t is not None:
-                    gi[j] = rescale(t, inv)
         for j, key in p.stash_edges.items():
             t = gi[j]
             if t is None:
@@ -329,6 +327,7 @@ class ScaledBackward:
         self.active = True
         g = go[0]
         self.sm = scalar_math(g.device, self.host_math)
+        self.bo = None if self.backoff is None else self.sm.to_xp(self.backoff.to(g.device))
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
         self.values[0] = self.sm.to_xp(init)
         if self.config.init_scale != 1.0:
@@ -358,7 +357,10 @@ class ScaledBackward:
         sx = self.sm.xp
         scales = [s for _, s in parts]
         absmax = [solver.absmax(self._stats(_min_max(t)), sx) for t, _ in parts]
-        target = solver.merge_scale(scales, absmax, u_max(self.config, dtype), sx)
+        limit = u_max(self.config, dtype)
+        if self.bo is not None and dtype.itemsize <= 2:
+            limit = limit * self.bo
+        target = solver.merge_scale(scales, absmax, limit, sx)
         return [self._rescale(t, target / s) for t, s in parts], target
 
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
@@ -403,16 +405,16 @@ class ScaledBackward:
             gs = self._stats(tensor_stats(g, with_mean=cfg.model == "gradient"))
             ws = None if weight is None else self._stats(tensor_stats(weight, with_mean=False))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx,
-                                   cached_model_scale=None if cached is None else cached[0])
+                                   cached_model_scale=None if cached is None else cached[0],
+                                   backoff=self.bo)
         else:  # only the overflow caps need current statistics
             gs = self._stats(_min_max(g))
             ws = None if weight is None else self._stats(_min_max(weight))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx, cached_model_scale=cached[0],
-                                   cached_sigma=cached[1])
+                                   cached_sigma=cached[1], backoff=self.bo)
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
-        self.layer_s[p.index] = d.scale
         go[0] = self._rescale(g, d.scale)
         self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing,
                                            solver.absmax(gs, sx), p.fan_in)
@@ -430,14 +432,14 @@ class ScaledBackward:
             ls = self._stats(log_stats(g))
             floor = self.sm.to_xp(self.region_scale(p.name, g.device)) / incoming
             d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=sx.maximum(
-                solver.cast_model_scale(cfg, ls, sx), floor))
+                solver.cast_model_scale(cfg, ls, sx, self.bo), floor), backoff=self.bo)
         elif cached is None or cached[1] is None:
             ls = self._stats(log_stats(g))
             d = solver.cast_scale(cfg, ls, incoming, sx,
-                                  cached_model_scale=None if cached is None else cached[0])
+                                  cached_model_scale=None if cached is None else cached[0], backoff=self.bo)
         else:  # only the overflow cap needs a current statistic: max|g|
             ls = cached[1]._replace(absmax=self.sm.to_xp(g.abs().amax().to(_F32)))
-            d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=cached[0])
+            d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=cached[0], backoff=self.bo)
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, ls
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing

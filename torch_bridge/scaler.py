@@ -94,6 +94,9 @@ class AdaLossScaler:
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
         self._coverage: Coverage | None = None
         self._regions = RegionScales()
+        # back-off exponent h and its count of finite steps (int32, on the loss's device)
+        self._backoff: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._backoff_loaded = (0, 0)
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -146,11 +149,28 @@ class AdaLossScaler:
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
-                            host_math=self.host_math, hidden=hidden, region_scale=self._regions.get)
+                            host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
+                            backoff=solver.backoff_factor(self._backoff_state(outputs.device)[0], xp))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
         return outputs
+
+    def _backoff_state(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, finite steps since h changed), created on the first backward's device."""
+        if self._backoff is None:
+            self._backoff = tuple(torch.full((), v, dtype=torch.int32, device=device)
+                                  for v in self._backoff_loaded)  # type: ignore[assignment]
+        return self._backoff  # type: ignore[return-value]
+
+    @property
+    def backoff(self) -> int:
+        """The back-off exponent ``h`` (reads the device: for logging, not the training step).
+
+        Every step with a non-finite gradient raises it by one, ``config.backoff_interval``
+        finite steps in a row lower it by one; while it is ``h``, every decision aims ``2^-h``
+        lower in the format's range, so that an overflow cannot recur step after step."""
+        return int(self._backoff[0]) if self._backoff is not None else self._backoff_loaded[0]
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale(loss).backward(**kwargs)``."""
@@ -273,8 +293,17 @@ class AdaLossScaler:
             raise RuntimeError("No inf checks were recorded prior to update(): call step() "
                                "(or unscale_()) first.")
         self._iteration += 1
+        found_inf = [f for s in self._per_optimizer.values() for f in s["found_inf"].values()]
         if self._regions:
-            self._regions.update([f for s in self._per_optimizer.values() for f in s["found_inf"].values()])
+            self._regions.update(found_inf)
+        if self._backoff is not None:
+            h, good = self._backoff
+            found = torch.zeros((), dtype=_F32, device=h.device)
+            for f in found_inf:
+                found = found + f.to(h.device)
+            new_h, new_good = solver.backoff_update(self._config, h, good, found == 0, xp)
+            h.copy_(new_h)
+            good.copy_(new_good)
         self._per_optimizer.clear()
         self._pending.clear()
 
@@ -310,7 +339,9 @@ class AdaLossScaler:
         return {"config": dataclasses.asdict(self._config), "iteration": self._iteration,
                 "skipped_steps": self._skipped,
                 "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()},
-                "region_scales": self._regions.state_dict()}
+                "region_scales": self._regions.state_dict(),
+                "backoff": (self.backoff, int(self._backoff[1]) if self._backoff is not None
+                            else self._backoff_loaded[1])}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._enabled:
@@ -328,6 +359,8 @@ class AdaLossScaler:
         self._skipped = int(state_dict["skipped_steps"])
         self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items()}
         self._regions.load_state_dict(state_dict.get("region_scales", {}))
+        self._backoff_loaded = tuple(int(v) for v in state_dict.get("backoff", (0, 0)))  # type: ignore[assignment]
+        self._backoff = None
 
 
 def _warn_coverage(plan: ScalePlan) -> None:

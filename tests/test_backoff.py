@@ -1,0 +1,184 @@
+"""Never stuck: after a step with a non-finite gradient the decisions back off.
+
+A deterministic overflow (the same batch, the same weights: a skipped step changes
+nothing) would recur on every step if the decisions did not change. The back-off
+exponent ``h`` (optax state / scaler state) rises by one per skipped step and lowers
+every decision's target range by ``2^-h``; it falls again after
+``config.backoff_interval`` finite steps. The models here overflow for sure: an LM head
+over a large summed batch, whose weight gradient is a sum of thousands of fp16
+products (fp16 parameters in JAX; in torch the node computes it in fp16). The global
+dynamic scales people use (``jmp.DynamicLossScale``, ``torch.amp.GradScaler``) are run
+on the same work: adaloss must not skip more steps in a row than they do.
+"""
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import jax_adaloss
+import torch_bridge
+from adaloss import solver
+from adaloss.config import AdaLossConfig
+from torch_bridge._xp import np_xp
+from torch_bridge._xp import xp as torch_xp
+
+V, D = 64, 32
+STEPS = 10
+
+
+def _run_lengths(finite):
+    """Longest run of skipped (not finite) steps, and whether the last step was finite."""
+    longest = run = 0
+    for f in finite:
+        run = 0 if f else run + 1
+        longest = max(longest, run)
+    return longest
+
+
+@pytest.mark.parametrize("path", ["numpy", "jax", "torch"])
+def test_backoff_rises_per_skip_and_recovers_after_the_interval(path):
+    ns, arr = {"numpy": (np_xp, lambda v: np.asarray(v, np.int32)),
+               "jax": (jnp, lambda v: jnp.asarray(v, jnp.int32)),
+               "torch": (torch_xp, lambda v: torch.tensor(v, dtype=torch.int32))}[path]
+    boolean = {"numpy": np.asarray, "jax": jnp.asarray, "torch": torch.tensor}[path]
+    cfg = AdaLossConfig(backoff_interval=3)
+    h, good = arr(0), arr(0)
+    seen = []
+    for finite in [False, False, True, True, True, True, True, True, True, False]:
+        h, good = solver.backoff_update(cfg, h, good, boolean(finite), ns)
+        seen.append((int(h), int(good)))
+    assert seen == [(1, 0), (2, 0), (2, 1), (2, 2), (1, 0), (1, 1), (1, 2), (0, 0), (0, 1), (1, 0)]
+    assert float(solver.backoff_factor(arr(3), ns)) == 0.125
+    h = arr(solver.MAX_BACKOFF)
+    assert int(solver.backoff_update(cfg, h, arr(0), boolean(False), ns)[0]) == solver.MAX_BACKOFF
+
+
+def test_backoff_lowers_every_target_by_its_factor():
+    cfg = AdaLossConfig(model="gradient")
+    g = solver.TensorStats(jnp.float32(0.0), jnp.float32(1e-12), jnp.float32(-1e-5), jnp.float32(1e-5))
+    free = solver.layer_scale(cfg, g, None, 8, jnp.float32(1.0), jnp)
+    half = solver.layer_scale(cfg, g, None, 8, jnp.float32(1.0), jnp, backoff=jnp.float32(0.25))
+    assert float(half.scale) == float(free.scale) / 4
+    capped = solver.TensorStats(jnp.float32(0.0), jnp.float32(1e-12), jnp.float32(-8.0), jnp.float32(8.0))
+    assert float(solver.layer_scale(cfg, capped, None, 8, jnp.float32(1.0), jnp,
+                                    backoff=jnp.float32(0.5)).unrounded) == pytest.approx(65504 / 8 / 2)
+    ls = solver.LogStats(jnp.float32(-20.0), jnp.float32(1.0), jnp.float32(100.0), jnp.float32(1e-3))
+    free_c = solver.cast_scale(cfg, ls, jnp.float32(1.0), jnp)
+    half_c = solver.cast_scale(cfg, ls, jnp.float32(1.0), jnp, backoff=jnp.float32(0.5))
+    assert float(half_c.scale) == float(free_c.scale) / 2
+
+
+# -- JAX: fp16 parameters, so the head's weight gradient is an fp16 sum over the batch -------
+def _jax_lm(batch=1024, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.normal(0, 1, s), jnp.float16)
+              for k, s in (("emb", (V, D)), ("W", (D, D)), ("head", (D, V)))}
+    tok = jnp.asarray(rng.integers(0, V, (batch,)))
+    y = jnp.asarray(rng.integers(0, V, (batch,)))
+
+    def loss(p, tok, y):
+        h = jnp.tanh(p["emb"][tok] @ p["W"])
+        return optax.softmax_cross_entropy_with_integer_labels((h @ p["head"]).astype(jnp.float32),
+                                                               y).sum()
+    return params, tok, y, loss
+
+
+def _jax_adaloss_run(pass_state):
+    params, tok, y, loss = _jax_lm()
+    tx = jax_adaloss.adaloss(inner=optax.sgd(1e-6))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, st):
+        extra = {"adaloss_state": st} if pass_state else {}
+        _, g = jax_adaloss.value_and_grad(loss)(p, tok, y, **extra)
+        u, st = tx.update(g, st, p)
+        return optax.apply_updates(p, u), st
+
+    finite = []
+    for _ in range(STEPS):
+        params, state = step(params, state)
+        finite.append(bool(state.last_finite))
+    return finite, state
+
+
+def test_jax_overflow_backs_off_and_trains_no_later_than_a_dynamic_scale():
+    params, tok, y, loss = _jax_lm()
+    ls = jmp.DynamicLossScale(jnp.float32(2.0**15))
+    jmp_finite = []
+    for _ in range(STEPS):
+        g = jax.grad(lambda p, ls=ls: ls.scale(loss(p, tok, y)))(params)
+        ok = jmp.all_finite(ls.unscale(g))
+        ls = ls.adjust(ok)
+        jmp_finite.append(bool(ok))
+    finite, state = _jax_adaloss_run(pass_state=True)
+    assert not finite[0], "the model must overflow at first, or the test shows nothing"
+    assert finite[-1] and all(finite[finite.index(True):]), finite  # once it trains, it keeps training
+    assert _run_lengths(finite) <= _run_lengths(jmp_finite), (finite, jmp_finite)
+    assert int(optax.tree.get(state, "backoff")) == finite.index(True)  # one per skipped step
+    # the same run with the state not passed to the backward never recovers
+    stuck, state = _jax_adaloss_run(pass_state=False)
+    assert not any(stuck) and int(state.backoff) == STEPS
+
+
+def test_adaloss_state_keyword_must_hold_the_transformation_state():
+    params, tok, y, loss = _jax_lm(batch=8)
+    with pytest.raises(TypeError, match="adaloss_state"):
+        jax_adaloss.value_and_grad(loss)(params, tok, y, adaloss_state={"not": jnp.zeros(())})
+    inner = optax.chain(optax.clip(1.0), jax_adaloss.adaloss(inner=optax.adam(1e-3)))
+    value, _ = jax_adaloss.value_and_grad(loss)(params, tok, y, adaloss_state=inner.init(params))
+    assert np.isfinite(float(value))
+
+
+# -- torch: fp32 parameters under autocast; the node computes the head's weight gradient in fp16
+class _LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.W = torch.nn.Linear(D, D)
+        self.head = torch.nn.Linear(D, V)
+        torch.nn.init.normal_(self.head.weight, 0, 1)
+
+    def forward(self, t):
+        return self.head(torch.tanh(self.W(self.emb(t))))
+
+
+def _torch_run(make_scaler, batch=8192):
+    torch.manual_seed(0)
+    model = _LM()
+    tok, y = torch.randint(0, V, (batch,)), torch.randint(0, V, (batch,))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = make_scaler(model)
+    finite = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(tok)
+        loss = torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        found = sum(v.item() for v in scaler._per_optimizer[id(opt)]["found_inf"].values()) \
+            if isinstance(scaler, torch_bridge.AdaLossScaler) else \
+            sum(v.item() for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
+        finite.append(found == 0)
+        scaler.step(opt)
+        scaler.update()
+    return finite, scaler
+
+
+def test_torch_weight_gradient_overflow_backs_off_no_slower_than_gradscaler():
+    ada, scaler = _torch_run(torch_bridge.AdaLossScaler)
+    gs, _ = _torch_run(lambda m: torch.amp.GradScaler("cpu"))
+    assert not ada[0], "the head's fp16 weight gradient must overflow at first"
+    assert ada[-1] and all(ada[ada.index(True):]), ada
+    assert _run_lengths(ada) <= _run_lengths(gs), (ada, gs)
+    assert scaler.backoff == ada.index(True) and scaler.skipped_steps == ada.index(True)
+    # the back-off exponent is checkpointed with the rest
+    state = scaler.state_dict()
+    fresh = torch_bridge.AdaLossScaler(_LM())
+    fresh.load_state_dict(state)
+    assert fresh.backoff == scaler.backoff and fresh.state_dict()["backoff"] == state["backoff"]
