@@ -43,7 +43,8 @@ def _assert_same(got, want):
     for k in r1.layers:
         assert float(r1.layers[k].scale) == float(r2.layers[k].scale), k
     for k in g2:
-        np.testing.assert_array_equal(g1[k].value, g2[k].value)
+        # fp32 weight gradients: eager and jitted fp32 accumulation may round apart (1 ulp)
+        np.testing.assert_allclose(g1[k].value, g2[k].value, rtol=1e-5, atol=1e-7)
         assert float(g1[k].scale) == float(g2[k].scale)
 
 
