@@ -77,7 +77,7 @@ class AdaLossConfig:
         (:data:`UNBOUNDED`). The overflow caps still hold every cotangent below ``u_max``.
       accum_bound: largest accumulated scale a gradient may carry; ``None``: no bound
         (:data:`UNBOUNDED`): weight gradients are fp32 (JAX) or are unscaled in fp32, and
-        an overflow backs the scales off (``AdaLossState.log2_headroom``).
+        an overflow backs the scales off (``AdaLossState.backoff``, ``AdaLossScaler.backoff``).
       power_of_two: round every scale down to a power of two (exact rescaling).
       init_scale: scale multiplied into the loss cotangent before backprop.
       grad_format: number format of the low-precision cotangents: ``float16`` or

@@ -23,6 +23,14 @@ BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
 
 
+def found_total(found_inf: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The per-device inf/NaN flags of one step summed on ``device`` (0: all finite), no sync."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    for f in found_inf:
+        found = found + f.to(device)
+    return found
+
+
 class RegionScales:
     """Per-region dynamic scale ``D`` and growth tracker, keyed by region name."""
 
@@ -46,9 +54,7 @@ class RegionScales:
     def update(self, found_inf: list[torch.Tensor]) -> None:
         """One step: halve every ``D`` if any of ``found_inf`` is set, else count towards growth."""
         for scale, tracker in self._scales.values():
-            found = torch.zeros((), dtype=torch.float32, device=scale.device)
-            for f in found_inf:
-                found = found + f.to(scale.device)
+            found = found_total(found_inf, scale.device)
             torch._amp_update_scale_(scale, tracker, found, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL)
 
     def state_dict(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from adaloss.report import Coverage, LayerReport, warn_coverage
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
-from torch_bridge.regions import RegionScales
+from torch_bridge.regions import RegionScales, found_total
 
 _F32 = torch.float32
 
@@ -298,10 +298,8 @@ class AdaLossScaler:
             self._regions.update(found_inf)
         if self._backoff is not None:
             h, good = self._backoff
-            found = torch.zeros((), dtype=_F32, device=h.device)
-            for f in found_inf:
-                found = found + f.to(h.device)
-            new_h, new_good = solver.backoff_update(self._config, h, good, found == 0, xp)
+            finite = found_total(found_inf, h.device) == 0
+            new_h, new_good = solver.backoff_update(self._config, h, good, finite, xp)
             h.copy_(new_h)
             good.copy_(new_good)
         self._per_optimizer.clear()
