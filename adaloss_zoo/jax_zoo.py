@@ -25,10 +25,11 @@ gradient function and the optimizer swapped for adaloss's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -76,16 +77,19 @@ class Grads:
 
 
 def _method_value_and_grad(method: str, factor: float, config: AdaLossConfig | None,
-                           transform: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+                           transform: Callable[..., Any], scale: float = STATIC_SCALE,
+                           backoff: int = 0) -> Callable[[Callable[..., Any]], Any]:
     """A ``value_and_grad``-like wrapper for ``loss(x) -> (scalar, aux)`` that returns
-    ``(aux, gradients unscaled and divided by factor, report or None)``."""
+    ``(aux, gradients unscaled and divided by factor, report or None)``; ``scale`` is the
+    ``static`` method's loss scale, ``backoff`` adaloss's back-off exponent."""
     def wrap(loss: Callable[..., Any]) -> Callable[..., Any]:
         if method == "adaloss":
             vg = jax_adaloss.value_and_grad(lambda x: _times(loss(x), factor), has_aux=True,
                                             config=config, return_report=True)
+            state = jax_adaloss.adaloss(config).init({})._replace(backoff=jnp.int32(backoff))
 
             def run(x: Any) -> Any:
-                ((_, aux), g), rep = vg(x)
+                ((_, aux), g), rep = vg(x, adaloss_state=state)
                 return aux, jax.tree.map(lambda a: a / factor, jax_adaloss.unscale_tree(g)), rep
             return run
         if method == "reference":  # the same 16-bit forward, its backward in fp32
@@ -97,17 +101,19 @@ def _method_value_and_grad(method: str, factor: float, config: AdaLossConfig | N
                 return aux, jax_adaloss.unscale_tree(g), None
             return run_ref
         if method == "fp16":
-            scale, f = jmp.NoOpLossScale(), factor
+            f = factor
         elif method == "static":
-            scale, f = jmp.StaticLossScale(jnp.asarray(STATIC_SCALE, jnp.float32)), factor
+            ls, f = jmp.StaticLossScale(jnp.asarray(scale, jnp.float32)), factor
         else:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        vg = transform(lambda x: _times(loss(x), f, scale.scale), has_aux=True)
+        if method == "fp16":
+            ls = jmp.NoOpLossScale()
+        vg = transform(lambda x: _times(loss(x), f, ls.scale), has_aux=True)
 
         def run(x: Any) -> Any:
             (_, aux), g = vg(x)
             g = jax.tree.map(lambda a: a.astype(jnp.float32), g)
-            return aux, jax.tree.map(lambda a: a / f, scale.unscale(g)), None
+            return aux, jax.tree.map(lambda a: a / f, ls.unscale(g)), None
         return run
     return wrap
 
@@ -126,8 +132,33 @@ class JaxCase:
     #: parameters with an analytically zero gradient (their reference is rounding noise)
     exclude: tuple[str, ...] = ()
 
-    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
+              scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:
+        """One backward of the fp16 forward under ``method`` (``scale``: the static one's,
+        ``backoff``: adaloss's back-off exponent)."""
         raise NotImplementedError
+
+    def adaloss(self, factor: float, config: AdaLossConfig | None = None, max_tries: int = 32
+                ) -> tuple[Grads, int]:
+        """adaloss repeated on the same batch until a backward is finite, its back-off exponent
+        raised after each non-finite one (as a skipped step does): gradients, passes skipped."""
+        for tries in range(max_tries):
+            g = self.grads("adaloss", factor, config, backoff=tries)
+            if all(np.isfinite(v).all() for v in g.grads.values()):
+                return g, tries
+        return g, max_tries
+
+    def dynamic(self, factor: float, max_tries: int = 32) -> tuple[Grads, int]:
+        """``jmp.DynamicLossScale`` started at 2^16 (as GradScaler), repeated on the same batch
+        until a backward is finite: its gradients and the backward passes skipped before."""
+        ls = jmp.DynamicLossScale(jnp.float32(2.0**16))
+        for tries in range(max_tries):
+            g = self.grads("static", factor, scale=float(ls.loss_scale))
+            finite = all(np.isfinite(v).all() for v in g.grads.values())
+            if finite:
+                return g, tries
+            ls = ls.adjust(jnp.asarray(finite))
+        return g, max_tries
 
     def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
         """``steps`` of the library's training step with adaloss: the losses (÷ factor), the
@@ -187,10 +218,25 @@ class TrainState(train_state.TrainState):
     key: jax.Array = None  # the dropout key, as in the Flax docs
 
 
+_LOGITS = [1.0]  # the logit multiplier of the traces made inside ``logit_scale``
+
+
+@contextlib.contextmanager
+def logit_scale(k: float) -> Iterator[None]:
+    """Multiply every zoo model's fp32 logits by ``k`` before the loss while tracing inside
+    (``k = 10, 30``: a confident softmax, probabilities down to e^-(k·spread))."""
+    _LOGITS.append(float(k))
+    try:
+        yield
+    finally:
+        _LOGITS.pop()
+
+
 def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """The Flax docs' loss, on logits upcast to fp32 (the mixed-precision custom)."""
+    """The Flax docs' loss, on logits upcast to fp32 (the mixed-precision custom), times the
+    current :func:`logit_scale`."""
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits=logits.astype(jnp.float32), labels=labels).mean()
+        logits=logits.astype(jnp.float32) * _LOGITS[-1], labels=labels).mean()
 
 
 class LinenCase(JaxCase):
@@ -212,8 +258,9 @@ class LinenCase(JaxCase):
             return _xent(logits, batch["y"]), updates
         return loss_fn
 
-    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
-        vg = _method_value_and_grad(method, factor, config, jax.value_and_grad)
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
+              scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:
+        vg = _method_value_and_grad(method, factor, config, jax.value_and_grad, scale, backoff)
 
         @jax.jit
         def step(params: Any, batch_stats: Any, batch: Any, key: jax.Array) -> Any:
@@ -299,10 +346,11 @@ class NnxCase(JaxCase):
     def model(self) -> NnxCNN:
         return NnxCNN(nnx.Rngs(self.seed))
 
-    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
+              scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:
         model = self.model()
         transform = nnx.value_and_grad
-        vg = _method_value_and_grad(method, factor, config, transform)
+        vg = _method_value_and_grad(method, factor, config, transform, scale, backoff)
 
         @nnx.jit
         def step(model: NnxCNN, batch: dict[str, jax.Array]) -> Any:
@@ -368,9 +416,10 @@ class EquinoxCase(JaxCase):
             return _xent(logits, batch["y"]), None
         return loss_fn
 
-    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None) -> Grads:
+    def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
+              scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:
         params, static = eqx.partition(self.model, eqx.is_inexact_array)
-        vg = _method_value_and_grad(method, factor, config, jax.value_and_grad)
+        vg = _method_value_and_grad(method, factor, config, jax.value_and_grad, scale, backoff)
 
         @jax.jit
         def step(params: Any, batch: dict[str, jax.Array]) -> Any:

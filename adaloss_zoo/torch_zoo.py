@@ -12,11 +12,12 @@ rounding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -157,12 +158,38 @@ def _grads(model: torch.nn.Module, factor: float) -> dict[str, np.ndarray]:
     return out
 
 
+_LOGITS = [1.0]  # the logit multiplier of the forwards run inside ``logit_scale``
+
+
+@contextlib.contextmanager
+def logit_scale(k: float) -> Iterator[None]:
+    """Multiply every zoo model's logits by ``k`` in the forwards run inside: a forward hook on
+    its output layer (the last ``nn.Linear``: lm_head, BERT's decoder, resnet's fc, ViT's
+    head), so the libraries' own losses see a confident softmax (``k = 10, 30``)."""
+    _LOGITS.append(float(k))
+    try:
+        yield
+    finally:
+        _LOGITS.pop()
+
+
+def _output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+
+
 def _forward(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float, seed: int
              ) -> torch.Tensor:
     torch.manual_seed(seed)  # the same dropout masks in every run
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=_AUTOCAST):
-        return factor * case.loss(model, batch)
+    k = _LOGITS[-1]
+    handle = None if k == 1.0 else _output_layer(model).register_forward_hook(
+        lambda mod, args, out: out * k)
+    try:
+        with torch.autocast("cpu", dtype=_AUTOCAST):
+            return factor * case.loss(model, batch)
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def reference_grads(case: TorchCase, model: torch.nn.Module, batch: Any, seed: int = 0
@@ -184,16 +211,25 @@ class RunResult:
 
 
 def run_adaloss(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float,
-                config: AdaLossConfig | None = None, seed: int = 0) -> RunResult:
-    """One backward with :class:`torch_bridge.AdaLossScaler`; gradients unscaled by ``unscale_``."""
+                config: AdaLossConfig | None = None, seed: int = 0, max_tries: int = 32) -> RunResult:
+    """:class:`torch_bridge.AdaLossScaler` on repeated backward passes of the same batch until
+    one is finite (its back-off lowers the decisions after each), as :func:`run_gradscaler`;
+    gradients unscaled by ``unscale_``, and the passes skipped before."""
     import torch_bridge
     scaler = torch_bridge.AdaLossScaler(model, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        scaler.scale(_forward(case, model, batch, factor, seed)).backward()
-        scaler.unscale_(opt)
-    return RunResult(_grads(model, factor), layers=scaler.layer_reports(),
+        for _ in range(max_tries):
+            scaler.scale(_forward(case, model, batch, factor, seed)).backward()
+            scaler.unscale_(opt)
+            grads = _grads(model, factor)
+            finite = all(np.isfinite(g).all() for g in grads.values())
+            scaler.step(opt)
+            scaler.update()
+            if finite:
+                break
+    return RunResult(grads, skipped=scaler.skipped_steps, layers=scaler.layer_reports(),
                      coverage=scaler.coverage(), warnings=[str(w.message) for w in caught])
 
 

@@ -1,16 +1,28 @@
-"""The model zoo under every scaling method: layers found and gradient error.
+"""The model zoo under every scaling method: layers found, gradient error, skipped passes.
 
     python benchmarks/zoo.py                          # both frameworks, loss ×1 and ×1e-6
-    python benchmarks/zoo.py --framework torch --factors 1 1e-3 1e-6 1e-8 --json zoo.json
+    python benchmarks/zoo.py --factors 1 1e-3 1e-6 1e-8 --logits 1 10 30 --json zoo.json
 
-For each zoo model (:mod:`adaloss_zoo`) and loss factor: the layers adaptive
-scaling found against the ones it must find (every Linear/Conv whose input
-needs a gradient), and the worst and median per-parameter error
-``‖g − g_ref‖/‖g_ref‖`` of adaloss (default config), of the global baseline
-(torch: ``torch.amp.GradScaler`` with its defaults, repeated on the same batch
-until a step is finite; JAX: a fixed ``jmp.StaticLossScale(2**15)``) and of plain
-fp16, against the same fp16 forward's loss-×1 gradients. Not a test: the suite
-(``tests/test_zoo.py``) asserts the layer counts and tolerances on a subset.
+For each zoo model (:mod:`adaloss_zoo`), loss factor and logit multiplier (×10, ×30: a
+confident softmax), one backward of the same fp16 forward under each method, against that
+forward's loss-×1 gradients (JAX: its exact, fp32-backward gradient; torch: its fp16
+backward), worst and median per-parameter error ``‖g − g_ref‖/‖g_ref‖``:
+
+- ``adaloss``: the default config, repeated on the same batch until a backward is finite
+  with its back-off raised after each non-finite one (as a skipped step does); its skipped
+  passes are reported;
+- ``largest-safe``: per-layer scales that only the overflow caps decide (``u_min = 2^15``:
+  every statistical scale saturates), each layer's cotangent scaled to just below overflow
+  as Transformer Engine's current scaling does per tensor: is the statistical decision
+  better than simply the largest safe scale?
+- ``dynamic``: a global dynamic scale started at 2^16, repeated on the same batch until a
+  backward is finite (torch: ``torch.amp.GradScaler``; JAX: ``jmp.DynamicLossScale``);
+  its skipped passes are reported;
+- ``static``: a fixed 2^15 (torch: a multiplied loss; JAX: ``jmp.StaticLossScale``);
+- ``fp16``: no scaling.
+
+Not a test: the suite (``tests/test_zoo.py``) asserts the layer counts and tolerances on a
+subset.
 """
 
 from __future__ import annotations
@@ -22,47 +34,69 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from adaloss.config import AdaLossConfig
 from adaloss_zoo.metrics import grad_error
 
+#: per-layer scales decided by the overflow caps alone: every statistical scale saturates
+LARGEST_SAFE = AdaLossConfig(u_min=2.0**15)
+STATIC = 2.0**15
 
-def torch_rows(factors: list[float], names: list[str] | None) -> list[dict[str, Any]]:
+
+def torch_rows(factors: list[float], logits: list[float], names: list[str] | None
+               ) -> list[dict[str, Any]]:
     from adaloss_zoo import torch_zoo as tz
     rows = []
     for name in _pick(names, tz.CASES):
         case = tz.CASES[name]
         model, batch = case.build(0)
         expected = tz.expected_layers(model, batch, case.loss)
-        ref = tz.reference_grads(case, model, batch)
-        for f in factors:
-            t0 = time.perf_counter()
-            ada = tz.run_adaloss(case, model, batch, f)
-            gs = tz.run_gradscaler(case, model, batch, f)
-            fp16 = tz.run_static(case, model, batch, f, 1.0)
-            found = tz.found_layers(ada.layers)
-            rows.append(_row("torch", name, f, expected, found, ref, case.exclude,
-                             {"adaloss": ada.grads, "global": gs.grads, "fp16": fp16.grads},
-                             ada.warnings, {"GradScaler skipped": gs.skipped}, time.perf_counter() - t0))
-            print(_line(rows[-1]), flush=True)
+        for k in logits:
+            with tz.logit_scale(k):
+                ref = tz.reference_grads(case, model, batch)
+            for f in factors:
+                t0 = time.perf_counter()
+                with tz.logit_scale(k):
+                    ada = tz.run_adaloss(case, model, batch, f)
+                    safe = tz.run_adaloss(case, model, batch, f, LARGEST_SAFE)
+                    gs = tz.run_gradscaler(case, model, batch, f)
+                    static = tz.run_static(case, model, batch, f, STATIC)
+                    fp16 = tz.run_static(case, model, batch, f, 1.0)
+                found = tz.found_layers(ada.layers)
+                rows.append(_row("torch", name, f, k, expected, found, ref, case.exclude,
+                                 {"adaloss": ada.grads, "largest-safe": safe.grads, "dynamic": gs.grads,
+                                  "static": static.grads, "fp16": fp16.grads},
+                                 ada.warnings,
+                                 {"adaloss skipped": ada.skipped, "dynamic skipped": gs.skipped},
+                                 time.perf_counter() - t0))
+                print(_line(rows[-1]), flush=True)
     return rows
 
 
-def jax_rows(factors: list[float], names: list[str] | None) -> list[dict[str, Any]]:
+def jax_rows(factors: list[float], logits: list[float], names: list[str] | None) -> list[dict[str, Any]]:
     from adaloss_zoo import jax_zoo as jz
     rows = []
     for name in _pick(names, jz.CASES):
         case = jz.CASES[name]()
-        ref = case.grads("reference", 1.0).grads
-        for f in factors:
-            t0 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                ada = case.grads("adaloss", f)
-            static = case.grads("static", f)
-            fp16 = case.grads("fp16", f)
-            rows.append(_row("jax", name, f, case.expected, ada.layers, ref, case.exclude,
-                             {"adaloss": ada.grads, "global": static.grads, "fp16": fp16.grads},
-                             [str(w.message) for w in caught], {}, time.perf_counter() - t0))
-            print(_line(rows[-1]), flush=True)
+        for k in logits:
+            with jz.logit_scale(k):
+                ref = case.grads("reference", 1.0).grads
+            for f in factors:
+                t0 = time.perf_counter()
+                with jz.logit_scale(k):
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        ada, ada_skipped = case.adaloss(f)
+                    safe, _ = case.adaloss(f, LARGEST_SAFE)
+                    dyn, skipped = case.dynamic(f)
+                    static = case.grads("static", f, scale=STATIC)
+                    fp16 = case.grads("fp16", f)
+                rows.append(_row("jax", name, f, k, case.expected, ada.layers, ref, case.exclude,
+                                 {"adaloss": ada.grads, "largest-safe": safe.grads, "dynamic": dyn.grads,
+                                  "static": static.grads, "fp16": fp16.grads},
+                                 [str(w.message) for w in caught],
+                                 {"adaloss skipped": ada_skipped, "dynamic skipped": skipped},
+                                 time.perf_counter() - t0))
+                print(_line(rows[-1]), flush=True)
     return rows
 
 
@@ -70,7 +104,7 @@ def _pick(names: list[str] | None, cases: dict[str, Any]) -> list[str]:
     return list(cases) if names is None else [n for n in names if n in cases]
 
 
-def _row(framework: str, name: str, factor: float, expected: Any, found: Any, ref: Any,
+def _row(framework: str, name: str, factor: float, logits: float, expected: Any, found: Any, ref: Any,
          exclude: tuple[str, ...], grads: dict[str, Any], warns: list[str], extra: dict[str, Any],
          seconds: float) -> dict[str, Any]:
     errors = {}
@@ -79,7 +113,7 @@ def _row(framework: str, name: str, factor: float, expected: Any, found: Any, re
         worst_leaf = max(e.per_leaf, key=e.per_leaf.get)
         errors[method] = {"worst": e.worst, "median": e.median, "worst_leaf": worst_leaf,
                           "zero_leaves": len(e.zero)}
-    return {"framework": framework, "model": name, "factor": factor,
+    return {"framework": framework, "model": name, "factor": factor, "logits": logits,
             "layers_found": sum((found & expected).values()), "layers_expected": sum(expected.values()),
             "extra_layers": sum((found - expected).values()), "errors": errors, "warnings": warns,
             **extra, "seconds": seconds}
@@ -87,22 +121,35 @@ def _row(framework: str, name: str, factor: float, expected: Any, found: Any, re
 
 def _line(r: dict[str, Any]) -> str:
     errs = "  ".join(f"{m} {e['worst']:.3g}/{e['median']:.3g}" for m, e in r["errors"].items())
-    return (f"{r['framework']:5} {r['model']:22} ×{r['factor']:<6g} layers {r['layers_found']}/"
-            f"{r['layers_expected']}  {errs}  warnings {len(r['warnings'])}  ({r['seconds']:.0f} s)")
+    return (f"{r['framework']:5} {r['model']:22} ×{r['factor']:<6g} logits ×{r['logits']:<3g} layers "
+            f"{r['layers_found']}/{r['layers_expected']}  {errs}  skipped adaloss "
+            f"{r['adaloss skipped']} dynamic {r['dynamic skipped']}  warnings {len(r['warnings'])}"
+            f"  ({r['seconds']:.0f} s)")
+
+
+GLOBAL = ("dynamic", "static")
+
+
+def ratio(r: dict[str, Any], method: str = "adaloss") -> float:
+    """``method``'s median error over the best global baseline's (≤ 1: at least as good)."""
+    best = min(r["errors"][m]["median"] for m in GLOBAL)
+    return r["errors"][method]["median"] / best if best > 0 else float("inf")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: model × factor, layers found/expected, worst / median error per method."""
+    """Markdown: one row per model, loss factor and logit multiplier; median error per method
+    (worst in the JSON), adaloss's and largest-safe's median over the best global one's, the
+    passes adaloss and the dynamic scale skipped, layers found/expected, coverage warnings."""
     methods = list(dict.fromkeys(m for r in rows for m in r["errors"]))
-    head = ["framework", "model", "loss ×", "layers", *methods, "warnings"]
+    head = ["framework", "model", "loss ×", "logits ×", *methods, "adaloss / best global",
+            "largest-safe / best global", "skipped (adaloss / dynamic)", "layers", "warnings"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["framework"], r["model"], f"{r['factor']:g}",
-                 f"{r['layers_found']}/{r['layers_expected']}"]
-        for m in methods:
-            e = r["errors"].get(m)
-            cells.append("–" if e is None else f"{e['worst']:.3g} / {e['median']:.3g}")
-        cells.append(str(len(r["warnings"])))
+        cells = [r["framework"], r["model"], f"{r['factor']:g}", f"{r['logits']:g}"]
+        cells += [f"{r['errors'][m]['median']:.3g}" for m in methods]
+        cells += [f"{ratio(r):.2f}", f"{ratio(r, 'largest-safe'):.2f}",
+                  f"{r['adaloss skipped']} / {r['dynamic skipped']}",
+                  f"{r['layers_found']}/{r['layers_expected']}", str(len(r["warnings"]))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -111,16 +158,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--framework", choices=["torch", "jax", "both"], default="both")
     ap.add_argument("--factors", type=float, nargs="+", default=[1.0, 1e-6])
+    ap.add_argument("--logits", type=float, nargs="+", default=[1.0],
+                    help="logit multipliers (10, 30: a confident softmax)")
     ap.add_argument("--models", nargs="+", default=None, help="zoo names (default: all)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = []
     if args.framework in ("torch", "both"):
-        rows += torch_rows(args.factors, args.models)
+        rows += torch_rows(args.factors, args.logits, args.models)
     if args.framework in ("jax", "both"):
-        rows += jax_rows(args.factors, args.models)
-    print("\nworst / median per-parameter error against the same fp16 forward's loss-×1 gradients;"
-          " global: torch.amp.GradScaler (torch), jmp.StaticLossScale(2**15) (JAX)\n")
+        rows += jax_rows(args.factors, args.logits, args.models)
+    print("\nmedian per-parameter error against the same fp16 forward's loss-×1 gradients\n")
     print(table(rows))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))

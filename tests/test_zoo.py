@@ -22,6 +22,7 @@ in the subnormal range again, fails here.
 
 import warnings
 
+import numpy as np
 import pytest
 
 from adaloss_zoo import jax_zoo as jz
@@ -95,3 +96,31 @@ def test_jax_zoo_training_idiom_runs_with_only_grad_and_tx_swapped(name):
     assert out["skipped"] == 0 and out["step"] == 3
     assert all(2.0 < loss < 5.0 for loss in out["losses"])  # ≈ ln(classes), not nan or 0
     assert out["state_changed"] == STATE[name]
+
+
+def test_confident_softmax_on_hf_gpt2_backs_off_to_finite_accurate_gradients():
+    """Logits ×30 at loss ×1e-6: the loss cast is capped at u_max / max|g| and the lm_head's
+    fp16 weight gradient (a sum over the batch, computed by the node) overflows at first; the
+    back-off lowers the decisions pass by pass until it fits, never all-zero gradients."""
+    case = tz.CASES["hf-gpt2"]
+    model, batch = case.build(0)
+    with tz.logit_scale(30.0):
+        ref = tz.reference_grads(case, model, batch)
+        run = tz.run_adaloss(case, model, batch, 1e-6)
+        gs = tz.run_gradscaler(case, model, batch, 1e-6)
+    assert 0 < run.skipped <= 8, run.skipped  # measured 5 (GradScaler at 2^16: 0)
+    err = grad_error(run.grads, ref, case.exclude)
+    assert not err.zero and err.median <= 1.5 * grad_error(gs.grads, ref, case.exclude).median
+
+
+def test_jax_logit_scale_and_retrying_baselines():
+    case = jz.CASES["equinox-mlp"]()
+    ref1 = case.grads("reference", 1.0).grads
+    with jz.logit_scale(30.0):
+        ref30 = case.grads("reference", 1.0).grads
+        ada, ada_skipped = case.adaloss(1e-6)
+        dyn, dyn_skipped = case.dynamic(1e-6)
+    assert any(not np.allclose(ref1[k], ref30[k]) for k in ref1)  # the multiplier is applied
+    assert ada_skipped == 0 and dyn_skipped == 0
+    assert grad_error(ada.grads, ref30, case.exclude).median \
+        <= grad_error(dyn.grads, ref30, case.exclude).median
