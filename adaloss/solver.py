@@ -184,6 +184,20 @@ def _cap(limit: float, m: Array, xp: Any) -> Array:
     return xp.where(m > 0, saturating_quotient(limit, m, xp), xp.full_like(m, float("inf")))
 
 
+def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array, rows: int,
+                    xp: Any, backoff: Array | None = None) -> Array:
+    """Largest scale that keeps a weight gradient computed in the gradient format finite.
+
+    For ``dW = xᵀ·(s·g)`` summed over ``rows`` rows, Cauchy-Schwarz bounds every entry by
+    ``s·max_j‖g_:j‖₂·max_i‖x_:i‖₂``, and the bias gradient (a column sum of ``s·g``) by
+    ``s·max_j‖g_:j‖₂·√rows``: ``u_max / (max_j‖g_:j‖₂ · max(max_i‖x_:i‖₂, √rows))``. Only
+    where a framework computes the weight gradient in 16 bits (a PyTorch layer node under
+    autocast); JAX computes it in fp32 and needs no such cap.
+    """
+    m = g_col_norm * xp.maximum(x_col_norm, xp.full_like(x_col_norm, float(rows) ** 0.5))
+    return _backed_off(_cap(config.overflow_limit, m, xp), backoff)
+
+
 def bounded_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
                   xp: Any, backoff: Array | None = None) -> Array:
     """Step 3 after ``max(s, 1)``, before rounding: overflow cap, accumulated
@@ -207,7 +221,8 @@ def _decide(config: AdaLossConfig, s_model: Array, cap: Array, incoming: Array, 
 def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
                 fan_in: int, incoming: Array, xp: Any,
                 cached_model_scale: Array | None = None,
-                cached_sigma: Array | None = None, backoff: Array | None = None) -> LayerScale:
+                cached_sigma: Array | None = None, backoff: Array | None = None,
+                extra_cap: Array | None = None) -> LayerScale:
     """The scale a weighted layer applies to its input cotangent.
 
     ``cached_model_scale`` replaces the statistical part (``update_every``);
@@ -215,6 +230,7 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     and max). With ``cached_sigma`` too, σ is not recomputed (``g``/``w`` may
     then lack their moments). ``backoff`` (``2^-h`` after overflowed steps, see
     :func:`backoff_factor`) moves the whole target range [u_min, u_max] down by it.
+    ``extra_cap`` is a further overflow cap the caller knows (:func:`weight_grad_cap`).
     """
     if cached_model_scale is not None and cached_sigma is not None:
         sigma = cached_sigma
@@ -223,6 +239,8 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     s_model = (model_scale(config, sigma, xp, backoff) if cached_model_scale is None
                else cached_model_scale)
     cap = overflow_cap(config, g, w, fan_in, xp, backoff)
+    if extra_cap is not None:
+        cap = xp.minimum(cap, extra_cap)
     return _decide(config, s_model, cap, incoming, sigma, xp, backoff)
 
 

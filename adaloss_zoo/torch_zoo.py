@@ -165,7 +165,9 @@ _LOGITS = [1.0]  # the logit multiplier of the forwards run inside ``logit_scale
 def logit_scale(k: float) -> Iterator[None]:
     """Multiply every zoo model's logits by ``k`` in the forwards run inside: a forward hook on
     its output layer (the last ``nn.Linear``: lm_head, BERT's decoder, resnet's fc, ViT's
-    head), so the libraries' own losses see a confident softmax (``k = 10, 30``)."""
+    head), so the libraries' own losses see a confident softmax (``k = 10, 30``). The logits
+    are upcast to fp32 first, as the JAX zoo does and as the losses do anyway; a multiplier
+    applied in fp16 would amplify the cotangent after the cast's decision (see the README)."""
     _LOGITS.append(float(k))
     try:
         yield
@@ -183,7 +185,7 @@ def _forward(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float,
     model.zero_grad(set_to_none=True)
     k = _LOGITS[-1]
     handle = None if k == 1.0 else _output_layer(model).register_forward_hook(
-        lambda mod, args, out: out * k)
+        lambda mod, args, out: out.float() * k)
     try:
         with torch.autocast("cpu", dtype=_AUTOCAST):
             return factor * case.loss(model, batch)

@@ -6,7 +6,8 @@ exponent ``h`` (optax state / scaler state) rises by one per skipped step and lo
 every decision's target range by ``2^-h``; it falls again after
 ``config.backoff_interval`` finite steps. The models here overflow for sure: an LM head
 over a large summed batch, whose weight gradient is a sum of thousands of fp16
-products (fp16 parameters in JAX; in torch the node computes it in fp16). The global
+products (fp16 parameters in JAX), and in torch a temperature ×30 applied to the fp16
+logits after the loss cast decided (the torch head's own fp16 weight gradient is capped). The global
 dynamic scales people use (``jmp.DynamicLossScale``, ``torch.amp.GradScaler``) are run
 on the same work: adaloss must not skip more steps in a row than they do.
 """
@@ -136,20 +137,24 @@ def test_adaloss_state_keyword_must_hold_the_transformation_state():
 
 # -- torch: fp32 parameters under autocast; the node computes the head's weight gradient in fp16
 class _LM(torch.nn.Module):
-    def __init__(self):
+    """An LM head; ``temperature`` multiplies the fp16 logits (after the head, before the fp32
+    loss), an amplifying op between the loss cast's decision and the head that no cap sees."""
+
+    def __init__(self, temperature=1.0):
         super().__init__()
         self.emb = torch.nn.Embedding(V, D)
         self.W = torch.nn.Linear(D, D)
         self.head = torch.nn.Linear(D, V)
         torch.nn.init.normal_(self.head.weight, 0, 1)
+        self.temperature = temperature
 
     def forward(self, t):
-        return self.head(torch.tanh(self.W(self.emb(t))))
+        return self.head(torch.tanh(self.W(self.emb(t)))) * self.temperature
 
 
-def _torch_run(make_scaler, batch=8192):
+def _torch_run(make_scaler, batch=8192, temperature=1.0):
     torch.manual_seed(0)
-    model = _LM()
+    model = _LM(temperature)
     tok, y = torch.randint(0, V, (batch,)), torch.randint(0, V, (batch,))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     scaler = make_scaler(model)
@@ -170,15 +175,24 @@ def _torch_run(make_scaler, batch=8192):
     return finite, scaler
 
 
-def test_torch_weight_gradient_overflow_backs_off_no_slower_than_gradscaler():
+def test_torch_linear_weight_gradient_is_capped_where_gradscaler_overflows():
+    # the head's weight gradient, a sum over 8192 rows computed by the node in fp16, is
+    # capped (adaloss.solver.weight_grad_cap): no step is skipped; without the cap 4 were
     ada, scaler = _torch_run(torch_bridge.AdaLossScaler)
     gs, _ = _torch_run(lambda m: torch.amp.GradScaler("cpu"))
-    assert not ada[0], "the head's fp16 weight gradient must overflow at first"
+    assert all(ada) and scaler.backoff == 0, ada
+    assert not any(gs), gs  # GradScaler skips all 10 (2^16 → 64)
+
+
+def test_torch_overflow_no_cap_sees_backs_off_no_slower_than_gradscaler():
+    ada, scaler = _torch_run(torch_bridge.AdaLossScaler, temperature=30.0)
+    gs, _ = _torch_run(lambda m: torch.amp.GradScaler("cpu"), temperature=30.0)
+    assert not ada[0], "the fp16 temperature must overflow the capped cotangent at first"
     assert ada[-1] and all(ada[ada.index(True):]), ada
     assert _run_lengths(ada) <= _run_lengths(gs), (ada, gs)
     assert scaler.backoff == ada.index(True) and scaler.skipped_steps == ada.index(True)
     # the back-off exponent is checkpointed with the rest
     state = scaler.state_dict()
-    fresh = torch_bridge.AdaLossScaler(_LM())
+    fresh = torch_bridge.AdaLossScaler(_LM(30.0))
     fresh.load_state_dict(state)
     assert fresh.backoff == scaler.backoff and fresh.state_dict()["backoff"] == state["backoff"]

@@ -169,3 +169,21 @@ def test_predicted_underflow_matches_threshold_at_the_raw_scale():
     sigma = F(1e-6)
     s = solver.model_scale(cfg, sigma, jnp)
     assert float(solver.predicted_underflow(cfg, sigma, s, erf, jnp)) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_weight_grad_cap_bounds_a_16_bit_weight_and_bias_gradient():
+    # Cauchy-Schwarz: u_max / (max‖g_:j‖ · max(max‖x_:i‖, √rows))
+    cfg = AdaLossConfig()
+    cap = solver.weight_grad_cap(cfg, F(2.0), F(3.0), 4, jnp)
+    assert float(cap) == pytest.approx(65504 / 6)
+    assert float(solver.weight_grad_cap(cfg, F(2.0), F(1.0), 16, jnp)) == pytest.approx(65504 / 8)
+    assert float(solver.weight_grad_cap(cfg, F(2.0), F(3.0), 4, jnp, backoff=F(0.5))) == \
+        pytest.approx(65504 / 12)
+    # the bound holds on real data: dW = xᵀ(s·g) and the bias column sums stay below u_max
+    rng = np.random.default_rng(0)
+    g, x = rng.normal(0, 3, (64, 5)), rng.normal(0, 2, (64, 7))
+    s = float(solver.weight_grad_cap(cfg, F(np.linalg.norm(g, axis=0).max()),
+                                     F(np.linalg.norm(x, axis=0).max()), 64, jnp))
+    assert np.abs(x.T @ (s * g)).max() <= 65504 and np.abs((s * g).sum(0)).max() <= 65504
+    d = solver.layer_scale(cfg, G, W, 64, ONE, jnp, extra_cap=F(3.0))
+    assert float(d.scale) == 2.0

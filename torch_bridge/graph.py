@@ -50,6 +50,7 @@ _CONV = "ConvolutionBackward0"  # edges: input 0, weight 1, bias 2
 _LOOKUP = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0",
                      "IndexSelectBackward0", "GatherBackward0", "TakeBackward0"})
 # elementwise nodes whose non-differentiated operand may be a scalar constant
+_WEIGHT_RIGHT_2D = ("MmBackward0", "AddmmBackward0")  # x [rows, in] @ W [in, out]
 _SCALAR_OPERAND = {"MulBackward0": ("_raw_saved_self", "_raw_saved_other"),
                    "DivBackward0": ("_raw_saved_self", "_raw_saved_other")}
 # nodes that move or copy entries without changing them (a weight's statistics are those of
@@ -94,6 +95,9 @@ class NodePlan:
     stash_edges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     act_edge: int = -1
     weight_attr: str = ""
+    # a 2-D matmul layer with its weight on the right (``nn.Linear``): the saved activation
+    # ``x`` of ``dW = xᵀ·g``, whose column norms cap the node's fp16 weight gradient
+    act_attr: str = ""
     # the weight operand rebuilt from its parameter when the node's saved copy must not be
     # read (saved-tensor hooks: torch.utils.checkpoint): (leaf position, ops in forward order:
     # ("cast", dtype) or ("mul" | "div" | "rdiv", (node position, attribute of the scalar)))
@@ -322,6 +326,8 @@ class _Builder:
         shape = tuple(self.nodes[producer[0]]._input_metadata[producer[1]].shape)
         plan.kind, plan.name = "layer", origins[w]
         plan.act_edge, plan.weight_attr = act, attrs[w]
+        if kind in _WEIGHT_RIGHT_2D and w == 1:
+            plan.act_attr = attrs[0]
         plan.recipe = self._recipe(producer)
         plan.fan_in = _fan_in(kind, w, shape, node)
         return True

@@ -401,17 +401,18 @@ class ScaledBackward:
         cfg, sx = self.config, self.sm.xp
         weight = None if cfg.model == "gradient" else self._weight(p)
         cached = self._cached(p.name)
+        wcap = self._weight_grad_cap(p, g)
         if cached is None or cached[1] is None:
             gs = self._stats(tensor_stats(g, with_mean=cfg.model == "gradient"))
             ws = None if weight is None else self._stats(tensor_stats(weight, with_mean=False))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx,
                                    cached_model_scale=None if cached is None else cached[0],
-                                   backoff=self.bo)
+                                   backoff=self.bo, extra_cap=wcap)
         else:  # only the overflow caps need current statistics
             gs = self._stats(_min_max(g))
             ws = None if weight is None else self._stats(_min_max(weight))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx, cached_model_scale=cached[0],
-                                   cached_sigma=cached[1], backoff=self.bo)
+                                   cached_sigma=cached[1], backoff=self.bo, extra_cap=wcap)
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
@@ -449,14 +450,36 @@ class ScaledBackward:
         if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
             self.regions.append(outgoing)
 
+    def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
+        """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
+        (``torch.utils.checkpoint``: reading it here would leave none for the node's backward)."""
+        node = self.plan.nodes[p.index]
+        raw = getattr(node, "_raw" + attr, None)
+        if isinstance(getattr(raw, "data", None), torch.Tensor):
+            return getattr(node, attr)
+        return None
+
+    def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
+        """:func:`adaloss.solver.weight_grad_cap` for an ``nn.Linear`` node, whose weight and
+        bias gradients it computes in ``g``'s 16-bit dtype from ``s·g``; None elsewhere (other
+        layers, fp32 gradients, an activation packed by saved-tensor hooks)."""
+        if not p.act_attr or g.dtype.itemsize > 2 or g.dim() != 2:
+            return None
+        x = self._saved(p, p.act_attr)
+        if x is None or x.dim() != 2:
+            return None
+        g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
+        x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
+        return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
+                                      g.shape[0], self.sm.xp, self.bo)
+
     def _weight(self, p: NodePlan) -> torch.Tensor:
         """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
         by hooks (``torch.utils.checkpoint``: reading it here would leave none for the node's
         own backward), the same values rebuilt from the parameter (``NodePlan.recipe``)."""
-        node = self.plan.nodes[p.index]
-        raw = getattr(node, "_raw" + p.weight_attr, None)
-        if isinstance(getattr(raw, "data", None), torch.Tensor):
-            return getattr(node, p.weight_attr)
+        saved = self._saved(p, p.weight_attr)
+        if saved is not None:
+            return saved
         if p.recipe is None:
             raise RuntimeError(
                 f"adaptive loss scaling: the weight of layer {p.name} is saved through saved-tensor "
