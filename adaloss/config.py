@@ -96,6 +96,10 @@ class AdaLossConfig:
         fan-in assumed non-zero.
       cast_rule: choose a scale (log-normal model) where backprop narrows a
         cotangent, e.g. the fp32 loss cotangent cast to fp16.
+      layer_rule: choose a scale at every weighted layer from its statistics (step 2). With
+        ``False`` a layer's statistical scale is 1: the cast decisions alone (chiefly the
+        loss cotangent's, one global scale) choose the scale, and a layer only lowers it
+        where an overflow cap requires. The ablation of the per-layer decisions.
       backoff_interval: finite steps in a row after which the back-off exponent (raised by
         one on every step with a non-finite gradient; kept in ``AdaLossState`` /
         ``AdaLossScaler.state_dict()``) is lowered by one, as a dynamic loss scale grows
@@ -114,6 +118,7 @@ class AdaLossConfig:
     update_every: int = 1
     relu_fraction: float = 0.5
     cast_rule: bool = True
+    layer_rule: bool = True
     backoff_interval: int = 2000
 
     def __post_init__(self) -> None:
@@ -136,6 +141,7 @@ class AdaLossConfig:
                "a finite float > 0", self.init_scale)
         _check(isinstance(self.power_of_two, bool), "power_of_two", "a bool", self.power_of_two)
         _check(isinstance(self.cast_rule, bool), "cast_rule", "a bool", self.cast_rule)
+        _check(isinstance(self.layer_rule, bool), "layer_rule", "a bool", self.layer_rule)
         _check(isinstance(self.update_every, int) and not isinstance(self.update_every, bool)
                and self.update_every >= 1, "update_every", "an int >= 1", self.update_every)
         _check(isinstance(self.backoff_interval, int) and not isinstance(self.backoff_interval, bool)

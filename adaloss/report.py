@@ -83,30 +83,37 @@ class LayerUnderflow(NamedTuple):
     """Measured and predicted underflow of the cotangent entering one layer.
 
     Attributes:
-      measured: fraction of the entries that are zero in the low-precision backward
-        but non-zero in a reference (fp32) backward at the same weights.
+      measured: fraction of the entries, non-zero in a reference (fp32) backward at the same
+        weights, that the low-precision backward holds below ``u_min`` in magnitude (as
+        carried, scaled): the quantity the threshold ``T`` bounds and ``predicted`` models.
+        With ``u_min`` the smallest normal number they are left with fewer significant bits;
+        with the authors' ``u_min`` (the smallest subnormal) this is ``flushed``.
       predicted: fraction of the true cotangent, modelled as normal, that the scale
         it carries leaves below u_min: ``erf(u_min / (P·σ·√2))``, σ the std of the
         reference cotangent, P the carried scale.
       reference_zero: fraction of entries that are zero in the reference too
         (ReLU, masks): they cannot underflow.
       size: number of entries.
+      flushed: fraction of the entries, non-zero in the reference, that are zero in the
+        low-precision backward: lost outright (a subset of ``measured``).
     """
 
     measured: float
     predicted: float
     reference_zero: float
     size: int
+    flushed: float
 
 
 def compare_layers(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any, Any]],
-                   predicted: Callable[[Any, Any], Any],
+                   predicted: Callable[[Any, Any], Any], u_min: float,
                    to_numpy: Callable[[Any], np.ndarray] = np.asarray) -> dict[str, LayerUnderflow]:
     """Per layer present in both (casts left out): measured and predicted underflow.
 
     ``low``/``ref``: ``{layer: (cotangent, carried scale)}`` of the low-precision and
     the reference backward (``ref`` unscaled); ``predicted(reference cotangent,
-    carried scale)`` is the framework's normal-model prediction.
+    carried scale)`` is the framework's normal-model prediction; ``u_min`` the level below
+    which an entry counts as underflowing (the config's ``underflow_limit``).
     """
     out = {}
     for name, (g, scale) in low.items():
@@ -114,9 +121,11 @@ def compare_layers(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any, An
             continue
         r = ref[name][0]
         g_np, r_np = to_numpy(g), to_numpy(r)
-        out[name] = LayerUnderflow(measured=float(np.mean((g_np == 0) & (r_np != 0))),
+        live = r_np != 0
+        out[name] = LayerUnderflow(measured=float(np.mean((np.abs(g_np) < u_min) & live)),
                                    predicted=float(predicted(r, scale)),
-                                   reference_zero=float(np.mean(r_np == 0)), size=int(g_np.size))
+                                   reference_zero=float(np.mean(~live)), size=int(g_np.size),
+                                   flushed=float(np.mean((g_np == 0) & live)))
     return out
 
 

@@ -156,7 +156,9 @@ def saturating_quotient(limit: float, x: Array, xp: Any) -> Array:
 def model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None) -> Array:
     """Step 2: ``max(b·u_min / (σ·√2·erfinv(T)), 1)``; σ = 0 gives 1, a σ so small that the
     quotient would leave fp32 saturates (:func:`saturating_quotient`). ``b`` is the back-off
-    factor (``2^-h``, default 1)."""
+    factor (``2^-h``, default 1). 1 without ``config.layer_rule`` (the cast-only ablation)."""
+    if not config.layer_rule:
+        return xp.ones_like(sigma)
     s = _backed_off(saturating_quotient(config.underflow_limit, sigma * config.z_two_sided, xp), backoff)
     return _at_least_one(s, sigma > 0, xp)
 

@@ -1,11 +1,12 @@
 """``adaloss-study``: fp32 vs fp16 with no / static / dynamic / adaptive loss scaling.
 
-    adaloss-study                       # char GPT on Shakespeare, JAX, every method
+    adaloss-study                       # char GPT on Shakespeare, JAX, loss ×1e-3, the default methods
     adaloss-study --steps 100 --methods fp32 dynamic adaloss-product --seeds 3
     adaloss-study --overhead            # step-time ratio adaloss / dynamic scaling
 
 Prints a table (final train/val loss, val perplexity, skipped steps, per-layer
-measured underflow mean/max, step time) and writes ``study.json`` and PNG plots
+measured underflow: mean/max fraction below u_min, the share of layer-steps within ``T``,
+the largest fraction flushed to zero; step time) and writes ``study.json`` and PNG plots
 (loss curves, underflow over steps, per-layer scale heatmaps) to ``--out``.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from adaloss.config import AdaLossConfig
 from adaloss_study import jax_runner, plots
-from adaloss_study.jax_runner import METHODS, RunConfig, RunResult
+from adaloss_study.jax_runner import DEFAULT_METHODS, METHODS, RunConfig, RunResult
 from adaloss_study.tasks import TASKS
 
 
@@ -32,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="jax: jax_adaloss, jmp; torch: torch_bridge, torch.amp.GradScaler")
     ap.add_argument("--task", choices=["shakespeare", "digits"], default="shakespeare",
                     help="shakespeare: char GPT; digits: small CNN on scikit-learn's 8x8 digits")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
     ap.add_argument("--batch", type=int, default=RunConfig.batch)
     ap.add_argument("--seq", type=int, default=RunConfig.seq)
@@ -40,7 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=RunConfig.layers)
     ap.add_argument("--lr", type=float, default=RunConfig.lr)
     ap.add_argument("--loss-factor", type=float, default=RunConfig.loss_factor,
-                    help="multiply the loss by this (small values make fp16 gradients underflow)")
+                    help="multiply the loss by this (small values make fp16 gradients underflow; "
+                         "the default 1e-3 is the mean over a 1M-token batch, see the README)")
+    ap.add_argument("--adam-eps", type=float, default=RunConfig.adam_eps,
+                    help="Adam's eps at loss x1 (runs use adam_eps x loss_factor)")
+    ap.add_argument("--growth-interval", type=int, default=None,
+                    help="dynamic-grow's growth interval (default: steps // 20)")
     ap.add_argument("--static-scale", type=float, default=RunConfig.static_scale)
     ap.add_argument("--measure-every", type=int, default=RunConfig.measure_every,
                     help="measure per-layer underflow every N steps (0: never)")
@@ -62,22 +68,29 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _summary(r: RunResult) -> dict[str, float]:
-    rates = [v for step in r.underflow.values() for v in step.values()]
+def _summary(r: RunResult, threshold: float) -> dict[str, float]:
+    """One run's row: losses, skips, underflow (below u_min: mean, max, the share of
+    layer-steps at most ``threshold``; flushed to zero: max) and step time."""
+    rates = np.array([v for step in r.underflow.values() for v in step.values()], float)
+    flushed = [v for step in r.flushed.values() for v in step.values()]
     return {"train_loss": float(np.mean(r.train_loss[-20:])), "val_loss": r.val_loss,
             "val_ppl": r.val_ppl, "skipped": r.skipped,
-            "underflow_mean": float(np.mean(rates)) if rates else 0.0,
-            "underflow_max": float(np.max(rates)) if rates else 0.0, "step_ms": r.step_ms}
+            "underflow_mean": float(rates.mean()) if rates.size else 0.0,
+            "underflow_max": float(rates.max()) if rates.size else 0.0,
+            "within_T": float(np.mean(rates <= threshold)) if rates.size else 1.0,
+            "flushed_max": float(np.max(flushed)) if flushed else 0.0, "step_ms": r.step_ms}
 
 
 def _table(rows: dict[str, list[dict[str, float]]]) -> str:
-    cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "step_ms"]
+    cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "within_T",
+            "flushed_max", "step_ms"]
     cells: dict[str, list[str]] = {}
     for method, runs in rows.items():
         cells[method] = []
         for c in cols:
             vals = np.array([r[c] for r in runs], float)
-            fmt = ".2e" if c.startswith("underflow") else (".0f" if c == "skipped" else ".4f")
+            fmt = (".2e" if c.startswith(("underflow", "flushed")) else ".0f" if c == "skipped"
+                   else ".2f" if c == "within_T" else ".4f")
             cells[method].append(f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else ""))
     width = max([len(c) for c in cols] + [len(x) for row in cells.values() for x in row]) + 2
     head = f"{'method':<18}" + "".join(f"{c:>{width}}" for c in cols)
@@ -90,7 +103,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     overrides = {k: getattr(args, k) for k in ("u_min", "accum_bound", "layer_bound", "update_every")
                  if getattr(args, k) is not None}
     return RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
-                     lr=args.lr, loss_factor=args.loss_factor, static_scale=args.static_scale,
+                     lr=args.lr, loss_factor=args.loss_factor, adam_eps=args.adam_eps,
+                     growth_interval=args.growth_interval, static_scale=args.static_scale,
                      measure_every=args.measure_every, adaloss=AdaLossConfig(**overrides))
 
 
@@ -130,7 +144,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         make = task.torch_model if args.framework == "torch" else task.flax_model
         for method in args.methods:
             result = runner.run(method, cfg, task.train(seed), val, make)
-            rows[method].append(_summary(result))
+            rows[method].append(_summary(result, base.adaloss.threshold))
             first.setdefault(method, result)
             print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "
                   f"skipped {result.skipped}, {result.step_ms:.1f} ms/step", file=sys.stderr)
@@ -144,7 +158,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         plots.loss_curves(first, args.out / "loss.png", f"{args.task} ({args.framework})")
         plots.underflow_over_steps(first, args.out / "underflow.png", base.adaloss.threshold)
         for m, r in first.items():
-            if m.startswith("adaloss-"):
+            if r.scales and "global" not in next(iter(r.scales.values()), {}):
                 plots.scale_heatmap(r, args.out / f"scales_{m}.png")
     print(f"\nwrote {args.out}/study.json" + ("" if args.no_plots else " and plots"))
     return record

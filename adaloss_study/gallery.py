@@ -26,60 +26,33 @@ class Case:
     question: str
 
 
-ALL = ("fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient")
+ABLATIONS = ("fp32", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only", "largest-safe")
 CASES = (
-    Case("default", "Default run (loss ×1)", ("--seeds", "3"),
-         "Does anything need scaling at the loss's natural magnitude?"),
-    Case("overflow", "Large loss (×1e3): a static scale overflows", ("--loss-factor", "1e3", "--seeds", "3"),
-         "A loss scale chosen for typical losses overflows when the loss is large: static "
-         "2^15 skips every step; dynamic loses its first steps while it backs off."),
-    Case("underflow", "Tiny loss (×1e-6): gradients underflow", ("--loss-factor", "1e-6", "--seeds", "3"),
-         "Gradients 10^6 smaller than usual: how much do 2^15 (static), 2^16 (dynamic, which "
-         "grows only every 2000 steps) and adaptive scaling recover?"),
-    Case("underflow-bounds", "Tiny loss (×1e-6), adaptive with looser bounds",
-         ("--loss-factor", "1e-6", "--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3",
-          "--methods", "fp32", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient"),
-         "The default bounds (layer and accumulated: u_max = 65504) cap the loss cast's scale, the "
-         "first decision of the backward, at 2^15: the ceiling of the global scales. The overflow "
-         "caps alone keep every scaled cotangent finite; raising both bounds lets the loss cast take "
-         "the scale its statistics ask for."),
-    Case("underflow-normal", "Tiny loss (×1e-6), looser bounds, aiming at the normal range",
-         ("--loss-factor", "1e-6", "--accum-bound", "1e12", "--layer-bound", "1e12", "--u-min",
-          "6.103515625e-05", "--methods", "fp32", "dynamic", "adaloss-product", "adaloss-output",
-          "adaloss-gradient"),
-         "With u_min = 2^-14 (the smallest normal fp16 number) instead of 2^-24, the scales keep "
-         "cotangents out of the subnormal range, where they have few significant bits."),
-    Case("underflow-deep", "Tinier loss (×1e-8): the global scales' ceiling",
-         ("--loss-factor", "1e-8", "--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3",
-          "--methods", "fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output",
-          "adaloss-gradient"),
-         "Cotangents 10^8 below the usual: 2^15 and 2^16 leave most of the logits' cotangent at "
-         "zero (dynamic grows ×2 only every 2000 clean steps); adaptive scaling with loose bounds "
-         "scales the loss cast by what its statistics ask for. (fp32 itself trains slower "
-         "here: Adam's ε = 1e-8 is no longer small against gradients of ~1e-10.)"),
-    Case("loose-bounds", "Looser bounds at the usual loss (×1) and a large one (×1e3)",
-         ("--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3", "--methods", "fp32",
-          "dynamic", "adaloss-product"),
-         "Do the looser bounds that rescue tiny losses cost anything where the default bounds were "
-         "already enough? (The ×1e3 run is the next section.) A scale the bounds no longer hold "
-         "back could overflow a weight gradient, which carries the accumulated scale unguarded: "
-         "such steps would show up as skipped."),
-    Case("loose-bounds-overflow", "Looser bounds, large loss (×1e3)",
-         ("--loss-factor", "1e3", "--accum-bound", "1e12", "--layer-bound", "1e12", "--seeds", "3",
-          "--methods", "fp32", "dynamic", "adaloss-product"),
-         "The overflow case with the looser bounds."),
-    Case("overflow-torch", "Large loss (×1e3), PyTorch: torch.amp.GradScaler vs AdaLossScaler",
-         ("--framework", "torch", "--loss-factor", "1e3", "--seeds", "3"),
-         "The overflow case with the PyTorch bridge and torch's own GradScaler."),
-    Case("digits-underflow", "CNN on digits, tiny loss (×1e-6)",
-         ("--task", "digits", "--loss-factor", "1e-6", "--steps", "150", "--batch", "64"),
-         "A convolutional model: 2 convolutions and a linear head on scikit-learn's 8x8 digits."),
-    Case("digits-loose-bounds", "CNN on digits, tiny loss (×1e-6), looser bounds",
-         ("--task", "digits", "--loss-factor", "1e-6", "--steps", "150", "--batch", "64",
-          "--accum-bound", "1e12", "--layer-bound", "1e12", "--methods", "fp32", "dynamic", "adaloss-product",
-          "adaloss-output", "adaloss-gradient"),
-         "The digits case with the bounds raised (the default bounds held most decisions back: "
-         "see the last table's decisions-limited column)."),
+    Case("default", "Default run: loss ×1e-3, the mean over a 1M-token batch", ("--seeds", "2"),
+         "The README's first command. The loss is a mean over N tokens, so each logit's cotangent is "
+         "(p − onehot)/N: ~1e-5 at this batch's 1024 tokens, ~1e-8 at a 1M-token batch (×1e-3), below "
+         "fp16's smallest subnormal (6e-8). Unscaled fp16 loses it; a global 2^15-2^16 lifts it to "
+         "~5e-4 at the logits but leaves the attenuated cotangents of lower layers in fp16's subnormal "
+         "range (below 2^-14: fewer bits); adaptive scaling lifts each above it."),
+    Case("natural", "Natural loss (×1): does anything need scaling at this batch size?",
+         ("--loss-factor", "1", "--methods", "fp32", "fp16", "dynamic", "adaloss-product", "cast-only"),
+         "At 1024 tokens the cotangents are ~1e-5: fp16 keeps them (subnormal at the smallest)."),
+    Case("deep", "Tiny loss (×1e-8): beyond the global scales' reach",
+         ("--loss-factor", "1e-8", "--methods", *ABLATIONS),
+         "Cotangents 1e8 below the natural ones (a 1M-token mean attenuated 1e5 more, as deep stacks "
+         "do): 2^15 and 2^16 leave the logits' cotangent at ~1e-8, mostly zero; GradScaler's rule "
+         "doubles only after 2000 clean steps; dynamic-grow (the same rule with its interval scaled "
+         "to the run, steps/20) climbs 2^24 in about 24 intervals; the cast decision picks the "
+         "needed scale at the first step."),
+    Case("overflow", "Large loss (×1e3): a static scale overflows",
+         ("--loss-factor", "1e3", "--methods", "fp32", "static", "dynamic", "dynamic-grow",
+          "adaloss-product", "cast-only"),
+         "A scale chosen for typical losses overflows when the loss is large: static 2^15 skips every "
+         "step; the dynamic scales lose their first steps backing off; the caps keep adaptive "
+         "scaling finite."),
+    Case("torch-default", "PyTorch, loss ×1e-3: torch.amp.GradScaler vs AdaLossScaler",
+         ("--framework", "torch"),
+         "The default run with the PyTorch bridge and torch's own GradScaler."),
 )
 ADALOSS = ("adaloss-product", "adaloss-output", "adaloss-gradient")
 OVERHEAD = (
@@ -95,7 +68,10 @@ def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str
     (same initialisation and batches), mean ± std over seeds."""
     cols = [("val_loss", "val loss", ".4f"), ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
             ("underflow_mean", "underflow mean", ".2e"), ("underflow_max", "underflow max", ".2e"),
+            ("within_T", "within T", ".2f"), ("flushed_max", "flushed max", ".2e"),
             ("step_ms", "ms/step", ".1f")]
+    first = next(iter(rows.values()))[0]
+    cols = [c for c in cols if c[0] in first]  # records written before a column existed
     paired = ref in rows
     head = "| method | " + " | ".join(c[1] for c in cols) + (" | vs fp32 |" if paired else " |")
     lines = [head, "|" + "---|" * (len(cols) + 1 + paired)]
@@ -135,8 +111,12 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
              "Generated by `adaloss-study --gallery --out docs` (each section: its own command). "
              "Char-level GPT on Shakespeare (held-out plays for val loss) unless said otherwise; "
              "JAX unless `--framework torch`; 2-core CPU. "
-             "Underflow: per layer, the fraction of the incoming cotangent that is zero in fp16 "
-             "but not in fp32 at the same weights, measured every 50 steps.", ""]
+             "Underflow: per layer, the fraction of the incoming cotangent's entries (non-zero in an "
+             "fp32 backward at the same weights) that the fp16 backward holds below u_min = 2^-14, "
+             "fp16's smallest normal number, as carried (scaled): what T bounds; `within T`: the "
+             "share of measured layer-steps at most T; `flushed max`: the largest fraction held at "
+             "zero. Measured every 50 steps. Adam's ε is 1e-8 × the loss factor, so the fp32 "
+             "reference is the same at every factor.", ""]
     intro = len(parts)
     for case in cases:
         argv, record = _run_case(out, case, "study.json", run, reuse)
@@ -164,9 +144,35 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
                       f"```\nadaloss-study {shlex.join(argv)}\n```", "",
                       f"{result['parameters']:,} parameters; {result['machine']}.", "",
                       overhead_table(result), ""]
+    parts += _zoo(out / "zoo.json")
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
+
+
+ZOO_COMMAND = "python benchmarks/zoo.py --factors 1 1e-3 1e-6 1e-8 --logits 1 10 30 --json docs/zoo.json"
+
+
+def _zoo(path: Path) -> list[str]:
+    """The model-zoo benchmark's table and summary, from its JSON (if it was run)."""
+    if not path.exists():
+        return []
+    from adaloss_zoo.tables import summary, table
+
+    rows = json.loads(path.read_text())
+    return ["## Model zoo: one backward per model, loss factor and logit multiplier", "",
+            f"```\n{ZOO_COMMAND}\n```", "",
+            "Third-party models (HF GPT2, Llama, BERT, torchvision resnet18, timm ViT; Flax linen CNN "
+            "and transformer, nnx with BatchNorm/Dropout, Equinox), tiny configs, random init, CPU "
+            "fp16; the logits multiplied in fp32 by ×10/×30 for a confident softmax. Median "
+            "per-parameter error ‖g − g_ref‖/‖g_ref‖ against the same fp16 forward's loss-×1 gradients "
+            "(JAX: its exact fp32-backward gradient; torch: its fp16 backward); the worst per row is "
+            "in `docs/zoo.json`. Methods: `adaloss` (the default), `largest-safe` (only the overflow "
+            "caps decide), `cast-only` (the loss cotangent's statistical decision alone, "
+            "`layer_rule=False`), `dynamic` (GradScaler / `jmp.DynamicLossScale` from 2^16, retried on "
+            "the batch until finite), `converged` (the largest finite power-of-two global scale: where "
+            "a dynamic scale settles once its growth has acted), `static` (2^15), `fp16`.", "",
+            *summary(rows), "", table(rows), ""]
 
 
 def _relative_to(rows: dict[str, list[dict[str, float]]], method: str, ref: str) -> np.ndarray:
@@ -186,7 +192,7 @@ def _paired(record: dict[str, Any], method: str, ref: str = "fp32") -> str:
 
 def _overview(records: dict[str, dict[str, Any]]) -> list[str]:
     """One line per case: val loss relative to fp32 at the same seed (mean over seeds)."""
-    methods = ("fp16", "static", "dynamic", "adaloss-product")
+    methods = ("fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only", "largest-safe")
     rows = [f"| [{name}](#{name}) | {len(next(iter(r['summary'].values())))} | "
             + " | ".join(_paired(r, m) for m in methods) + " |" for name, r in records.items()]
     return ["## Overview", "",

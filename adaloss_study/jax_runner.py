@@ -7,8 +7,18 @@ Methods (the baselines are the libraries people use):
 - ``static``: ``jmp.StaticLossScale(2^k)``;
 - ``dynamic``: ``jmp.DynamicLossScale`` with GradScaler's defaults (2^16, ×2
   every 2000 clean steps, ÷2 and skip on overflow);
+- ``dynamic-grow``: the same from 2^16 with its growth interval scaled to the run
+  (``RunConfig.growth_interval``, steps/20 by default): a short run gives it the chance to
+  grow that 2000 steps give it in a long one;
 - ``adaloss-<model>``: :func:`jax_adaloss.value_and_grad` with the
-  ``product``/``output``/``gradient`` statistical model, ``adaloss(inner=adam)``.
+  ``product``/``output``/``gradient`` statistical model, ``adaloss(inner=adam)``;
+- ``cast-only``: the statistical cast decision alone (``layer_rule=False``): one global
+  scale from the loss cotangent's statistics, no per-layer statistical scales;
+- ``largest-safe``: per-layer scales that only the overflow caps decide (``u_min = 2^15``).
+
+Adam's ε is ``adam_eps × loss_factor``: Adam is then invariant to the loss factor, so every
+factor has the same fp32 reference (with a fixed ε = 1e-8, gradients of 1e-10 at ×1e-8
+would turn Adam into slow SGD).
 
 Every ``measure_every`` steps the per-layer underflow of the method's own
 backward is measured against an fp32 backward at the same weights
@@ -36,7 +46,22 @@ import jax_adaloss
 from adaloss.config import AdaLossConfig
 from jax_adaloss.underflow import compare_cotangents
 
-METHODS = ("fp32", "fp16", "static", "dynamic", "adaloss-product", "adaloss-output", "adaloss-gradient")
+METHODS = ("fp32", "fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only",
+           "largest-safe", "adaloss-output", "adaloss-gradient")
+#: what ``adaloss-study`` runs unless ``--methods`` says otherwise
+DEFAULT_METHODS = METHODS[:8]
+GLOBAL_SCALES = ("static", "dynamic", "dynamic-grow")
+
+
+def adaloss_config(method: str, base: AdaLossConfig) -> AdaLossConfig | None:
+    """The :class:`AdaLossConfig` an adaptive ``method`` runs (``None`` for the others)."""
+    if method.startswith("adaloss-"):
+        return dataclasses.replace(base, model=method.split("-", 1)[1])
+    if method == "cast-only":
+        return dataclasses.replace(base, layer_rule=False)
+    if method == "largest-safe":
+        return dataclasses.replace(base, u_min=2.0**15)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +75,24 @@ class RunConfig:
     heads: int = 4
     layers: int = 2
     lr: float = 3e-3
-    loss_factor: float = 1.0  # multiplies the loss (small values provoke underflow)
+    loss_factor: float = 1e-3  # multiplies the loss (see the README: a 1M-token mean)
+    adam_eps: float = 1e-8  # Adam's ε at loss ×1; runs use adam_eps × loss_factor
     static_scale: float = 2.0**15
+    growth_interval: int | None = None  # dynamic-grow's; None: max(1, steps // 20)
     measure_every: int = 50
     eval_batches: int = 8
     seed: int = 0
     adaloss: AdaLossConfig = AdaLossConfig()
+
+    @property
+    def eps(self) -> float:
+        """Adam's ε for this loss factor (the optimizer then ignores the factor)."""
+        return self.adam_eps * self.loss_factor
+
+    @property
+    def growth(self) -> int:
+        """``dynamic-grow``'s growth interval."""
+        return self.growth_interval if self.growth_interval is not None else max(1, self.steps // 20)
 
 
 @dataclasses.dataclass
@@ -68,7 +105,9 @@ class RunResult:
     skipped: int = 0
     step_ms: float = float("nan")  # median of step_seconds (the first, compiling, step left out)
     step_seconds: list[float] = dataclasses.field(default_factory=list)
-    underflow: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # step -> layer -> rate
+    # step -> layer -> fraction below u_min (LayerUnderflow.measured) / at zero (.flushed)
+    underflow: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    flushed: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     predicted: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # step -> layer -> rate
     # step -> layer -> scale (adaloss) or {"global": S}
     scales: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -87,6 +126,7 @@ class RunResult:
     def add_underflow(self, step: int, got: dict[str, Any]) -> None:
         """``got``: layer -> :class:`adaloss.report.LayerUnderflow`."""
         self.underflow[step] = {k: u.measured for k, u in got.items()}
+        self.flushed[step] = {k: u.flushed for k, u in got.items()}
         self.predicted[step] = {k: u.predicted for k, u in got.items()}
 
     def finish(self, val_loss: float) -> RunResult:
@@ -120,10 +160,9 @@ class Trainer:
         ref_graph, _ = nnx.split(make_model(cfg, jnp.float32, cfg.seed))
         self.loss = _loss_fn(graphdef, cfg.loss_factor)
         self.ref_loss = _loss_fn(ref_graph, cfg.loss_factor)
-        self.ada_cfg = None
-        if method.startswith("adaloss-"):
-            self.ada_cfg = dataclasses.replace(cfg.adaloss, model=method.split("-", 1)[1])
-            self._step, self.state = _adaloss_step(self.loss, self.ada_cfg, cfg.lr, self.params, telemetry)
+        self.ada_cfg = adaloss_config(method, cfg.adaloss)
+        if self.ada_cfg is not None:
+            self._step, self.state = _adaloss_step(self.loss, self.ada_cfg, cfg, self.params, telemetry)
         else:
             self._step, self.state = _global_step(self.loss, method, cfg, self.params, telemetry)
 
@@ -134,17 +173,17 @@ class Trainer:
 
     def global_scale(self) -> jax.Array:
         """The current global loss scale (1 for fp16/fp32)."""
-        scaler = self.state[1] if self.method in ("static", "dynamic") else None
+        scaler = self.state[1] if self.method in GLOBAL_SCALES else None
         return jnp.asarray(scaler.loss_scale if scaler is not None else 1.0, jnp.float32)
 
 
 _ONE = np.float32(1.0)
 
 
-def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: float, params: Any,
+def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, cfg: RunConfig, params: Any,
                   telemetry: bool) -> Any:
     """The adaloss step; with ``update_every > 1`` the report's scale cache rides in the state."""
-    tx = jax_adaloss.adaloss(inner=optax.adam(lr))
+    tx = jax_adaloss.adaloss(inner=optax.adam(cfg.lr, eps=cfg.eps))
     vg = jax_adaloss.value_and_grad(loss, config=config, return_report=True)
     cached = config.update_every > 1
 
@@ -166,9 +205,15 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, lr: flo
 
 def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any,
                  telemetry: bool) -> Any:
-    adam = optax.adam(cfg.lr)
-    scale0 = jmp.StaticLossScale(jnp.float32(cfg.static_scale)) if method == "static" else (
-        jmp.DynamicLossScale(jnp.float32(2.0**16)) if method == "dynamic" else jmp.NoOpLossScale())
+    adam = optax.adam(cfg.lr, eps=cfg.eps)
+    if method == "static":
+        scale0 = jmp.StaticLossScale(jnp.float32(cfg.static_scale))
+    elif method == "dynamic":
+        scale0 = jmp.DynamicLossScale(jnp.float32(2.0**16))
+    elif method == "dynamic-grow":
+        scale0 = jmp.DynamicLossScale(jnp.float32(2.0**16), period=cfg.growth)
+    else:
+        scale0 = jmp.NoOpLossScale()
 
     @jax.jit
     def step(params: Any, state: Any, x: Any, y: Any) -> Any:
@@ -220,6 +265,6 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             res.limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
                                 if k.endswith("#limited") and bool(v))
     val_loss = float(np.mean([float(eval_loss(t.params, x, y)) for x, y in val])) / cfg.loss_factor
-    if method.startswith("adaloss-"):
+    if t.ada_cfg is not None:
         res.skipped = int(optax.tree.get(t.state, "skipped"))  # counted by the transformation
     return res.finish(val_loss)

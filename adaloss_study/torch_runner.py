@@ -7,14 +7,16 @@
   off by a factor 1 − 1e-7 (GradScaler requires < 1): a fixed scale that still
   skips non-finite steps;
 - ``dynamic``: ``torch.amp.GradScaler`` with its defaults (2^16, ×2 every 2000
-  steps, ÷2 on overflow);
-- ``adaloss-<model>``: :class:`torch_bridge.AdaLossScaler`.
+  steps, ÷2 on overflow); ``dynamic-grow``: with ``growth_interval=RunConfig.growth``;
+- ``adaloss-<model>``, ``cast-only``, ``largest-safe``: :class:`torch_bridge.AdaLossScaler`
+  with :func:`adaloss_study.jax_runner.adaloss_config`.
+
+Adam's ε is ``adam_eps × loss_factor``, as in JAX.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import torch_bridge
-from adaloss_study.jax_runner import METHODS, RunConfig, RunResult
+from adaloss_study.jax_runner import METHODS, RunConfig, RunResult, adaloss_config
 from torch_bridge.underflow import compare_cotangents
 
 
@@ -42,10 +44,10 @@ def _scaler(method: str, model: torch.nn.Module, cfg: RunConfig) -> Any:
                                     backoff_factor=1.0 - 1e-7)
     if method == "dynamic":
         return torch.amp.GradScaler("cpu")
-    if method.startswith("adaloss-"):
-        config = dataclasses.replace(cfg.adaloss, model=method.split("-", 1)[1])
-        return torch_bridge.AdaLossScaler(model, config)
-    return None
+    if method == "dynamic-grow":
+        return torch.amp.GradScaler("cpu", growth_interval=cfg.growth)
+    config = adaloss_config(method, cfg.adaloss)
+    return None if config is None else torch_bridge.AdaLossScaler(model, config)
 
 
 class Trainer:
@@ -58,7 +60,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.method, self.cfg = method, cfg
         self.model = make_model(cfg)
-        self.opt = torch.optim.Adam(self.model.parameters(), cfg.lr)
+        self.opt = torch.optim.Adam(self.model.parameters(), cfg.lr, eps=cfg.eps)
         self.scaler = _scaler(method, self.model, cfg)
         self.low = method != "fp32"
 

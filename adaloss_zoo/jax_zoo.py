@@ -44,6 +44,7 @@ from flax.training import train_state
 
 import jax_adaloss
 from adaloss.config import AdaLossConfig
+from adaloss_zoo.metrics import largest_finite_power
 from jax_adaloss.api import _value_and_grad
 
 F16 = jnp.float16
@@ -159,6 +160,14 @@ class JaxCase:
                 return g, tries
             ls = ls.adjust(jnp.asarray(finite))
         return g, max_tries
+
+    def converged(self, factor: float) -> tuple[int, Grads]:
+        """A global dynamic scale given the time to grow: the largest finite power-of-two
+        scale ``2^k`` (:func:`adaloss_zoo.metrics.largest_finite_power`), ``k`` and its gradients."""
+        def at(k: int) -> tuple[bool, Grads]:
+            g = self.grads("static", factor, scale=2.0**k)
+            return all(np.isfinite(v).all() for v in g.grads.values()), g
+        return largest_finite_power(at)
 
     def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
         """``steps`` of the library's training step with adaloss: the losses (÷ factor), the

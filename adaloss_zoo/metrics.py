@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 class GradError(NamedTuple):
@@ -58,3 +60,22 @@ def grad_error(grads: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray],
         raise ValueError("no parameter with a non-zero reference gradient to compare")
     errs = np.array(list(per_leaf.values()))
     return GradError(float(np.max(errs)), float(np.median(errs)), per_leaf, zero)
+
+
+def largest_finite_power(finite_at: Callable[[int], tuple[bool, T]], lo: int = 0, hi: int = 100
+                         ) -> tuple[int, T]:
+    """The largest ``k`` in ``[lo, hi]`` with ``finite_at(k)[0]`` true, by bisection, with
+    that call's result: the power-of-two global scale ``2^k`` a dynamic loss scale settles at
+    once its growth has had time to act (it grows until a backward overflows, then halves).
+    Assumes overflow is monotone in the scale; ``lo``'s result if even ``2^lo`` overflows."""
+    ok, best = finite_at(lo)
+    if not ok:
+        return lo, best
+    while hi > lo:
+        mid = (lo + hi + 1) // 2
+        ok, out = finite_at(mid)
+        if ok:
+            lo, best = mid, out
+        else:
+            hi = mid - 1
+    return lo, best

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from adaloss.config import AdaLossConfig
+from adaloss_zoo.metrics import largest_finite_power
 
 _AUTOCAST = torch.float16
 
@@ -251,6 +252,16 @@ def run_gradscaler(case: TorchCase, model: torch.nn.Module, batch: Any, factor: 
         if finite:
             return RunResult(grads, skipped=tries)
     return RunResult(grads, skipped=max_tries)
+
+
+def run_converged(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float,
+                  seed: int = 0) -> tuple[int, RunResult]:
+    """A global dynamic scale given the time to grow: the largest finite power-of-two scale
+    ``2^k`` (:func:`adaloss_zoo.metrics.largest_finite_power`), ``k`` and its gradients."""
+    def at(k: int) -> tuple[bool, RunResult]:
+        r = run_static(case, model, batch, factor, 2.0**k, seed)
+        return all(np.isfinite(g).all() for g in r.grads.values()), r
+    return largest_finite_power(at)
 
 
 def run_static(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float, scale: float,

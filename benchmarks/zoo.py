@@ -15,9 +15,15 @@ backward), worst and median per-parameter error ``‖g − g_ref‖/‖g_ref‖`
   every statistical scale saturates), each layer's cotangent scaled to just below overflow
   as Transformer Engine's current scaling does per tensor: is the statistical decision
   better than simply the largest safe scale?
+- ``cast-only``: the statistical cast decision alone (``layer_rule=False``): the loss
+  cotangent's statistics choose one global scale, layers apply none of their own (they
+  lower it only where a cap requires): how much of the benefit is per-layer at all?
 - ``dynamic``: a global dynamic scale started at 2^16, repeated on the same batch until a
   backward is finite (torch: ``torch.amp.GradScaler``; JAX: ``jmp.DynamicLossScale``);
   its skipped passes are reported;
+- ``converged``: a dynamic scale given the time to grow (GradScaler doubles it every 2000
+  clean steps): the largest power of two whose backward is finite, found by bisection,
+  which is what it settles at on a stationary batch; ``2^k`` is reported;
 - ``static``: a fixed 2^15 (torch: a multiplied loss; JAX: ``jmp.StaticLossScale``);
 - ``fp16``: no scaling.
 
@@ -36,9 +42,12 @@ from typing import Any
 
 from adaloss.config import AdaLossConfig
 from adaloss_zoo.metrics import grad_error
+from adaloss_zoo.tables import summary, table
 
 #: per-layer scales decided by the overflow caps alone: every statistical scale saturates
 LARGEST_SAFE = AdaLossConfig(u_min=2.0**15)
+#: the statistical cast decision alone: no per-layer statistical scale
+CAST_ONLY = AdaLossConfig(layer_rule=False)
 STATIC = 2.0**15
 
 
@@ -58,15 +67,19 @@ def torch_rows(factors: list[float], logits: list[float], names: list[str] | Non
                 with tz.logit_scale(k):
                     ada = tz.run_adaloss(case, model, batch, f)
                     safe = tz.run_adaloss(case, model, batch, f, LARGEST_SAFE)
+                    cast = tz.run_adaloss(case, model, batch, f, CAST_ONLY)
                     gs = tz.run_gradscaler(case, model, batch, f)
+                    k_conv, conv = tz.run_converged(case, model, batch, f)
                     static = tz.run_static(case, model, batch, f, STATIC)
                     fp16 = tz.run_static(case, model, batch, f, 1.0)
                 found = tz.found_layers(ada.layers)
                 rows.append(_row("torch", name, f, k, expected, found, ref, case.exclude,
-                                 {"adaloss": ada.grads, "largest-safe": safe.grads, "dynamic": gs.grads,
-                                  "static": static.grads, "fp16": fp16.grads},
+                                 {"adaloss": ada.grads, "largest-safe": safe.grads, "cast-only": cast.grads,
+                                  "dynamic": gs.grads, "converged": conv.grads, "static": static.grads,
+                                  "fp16": fp16.grads},
                                  ada.warnings,
-                                 {"adaloss skipped": ada.skipped, "dynamic skipped": gs.skipped},
+                                 {"adaloss skipped": ada.skipped, "dynamic skipped": gs.skipped,
+                                  "cast-only skipped": cast.skipped, "converged log2": k_conv},
                                  time.perf_counter() - t0))
                 print(_line(rows[-1]), flush=True)
     return rows
@@ -87,14 +100,18 @@ def jax_rows(factors: list[float], logits: list[float], names: list[str] | None)
                         warnings.simplefilter("always")
                         ada, ada_skipped = case.adaloss(f)
                     safe, _ = case.adaloss(f, LARGEST_SAFE)
+                    cast, cast_skipped = case.adaloss(f, CAST_ONLY)
                     dyn, skipped = case.dynamic(f)
+                    k_conv, conv = case.converged(f)
                     static = case.grads("static", f, scale=STATIC)
                     fp16 = case.grads("fp16", f)
                 rows.append(_row("jax", name, f, k, case.expected, ada.layers, ref, case.exclude,
-                                 {"adaloss": ada.grads, "largest-safe": safe.grads, "dynamic": dyn.grads,
-                                  "static": static.grads, "fp16": fp16.grads},
+                                 {"adaloss": ada.grads, "largest-safe": safe.grads, "cast-only": cast.grads,
+                                  "dynamic": dyn.grads, "converged": conv.grads, "static": static.grads,
+                                  "fp16": fp16.grads},
                                  [str(w.message) for w in caught],
-                                 {"adaloss skipped": ada_skipped, "dynamic skipped": skipped},
+                                 {"adaloss skipped": ada_skipped, "dynamic skipped": skipped,
+                                  "cast-only skipped": cast_skipped, "converged log2": k_conv},
                                  time.perf_counter() - t0))
                 print(_line(rows[-1]), flush=True)
     return rows
@@ -123,35 +140,9 @@ def _line(r: dict[str, Any]) -> str:
     errs = "  ".join(f"{m} {e['worst']:.3g}/{e['median']:.3g}" for m, e in r["errors"].items())
     return (f"{r['framework']:5} {r['model']:22} ×{r['factor']:<6g} logits ×{r['logits']:<3g} layers "
             f"{r['layers_found']}/{r['layers_expected']}  {errs}  skipped adaloss "
-            f"{r['adaloss skipped']} dynamic {r['dynamic skipped']}  warnings {len(r['warnings'])}"
+            f"{r['adaloss skipped']} dynamic {r['dynamic skipped']}  converged 2^{r['converged log2']}"
+            f"  warnings {len(r['warnings'])}"
             f"  ({r['seconds']:.0f} s)")
-
-
-GLOBAL = ("dynamic", "static")
-
-
-def ratio(r: dict[str, Any], method: str = "adaloss") -> float:
-    """``method``'s median error over the best global baseline's (≤ 1: at least as good)."""
-    best = min(r["errors"][m]["median"] for m in GLOBAL)
-    return r["errors"][method]["median"] / best if best > 0 else float("inf")
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one row per model, loss factor and logit multiplier; median error per method
-    (worst in the JSON), adaloss's and largest-safe's median over the best global one's, the
-    passes adaloss and the dynamic scale skipped, layers found/expected, coverage warnings."""
-    methods = list(dict.fromkeys(m for r in rows for m in r["errors"]))
-    head = ["framework", "model", "loss ×", "logits ×", *methods, "adaloss / best global",
-            "largest-safe / best global", "skipped (adaloss / dynamic)", "layers", "warnings"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["framework"], r["model"], f"{r['factor']:g}", f"{r['logits']:g}"]
-        cells += [f"{r['errors'][m]['median']:.3g}" for m in methods]
-        cells += [f"{ratio(r):.2f}", f"{ratio(r, 'largest-safe'):.2f}",
-                  f"{r['adaloss skipped']} / {r['dynamic skipped']}",
-                  f"{r['layers_found']}/{r['layers_expected']}", str(len(r["warnings"]))]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += jax_rows(args.factors, args.logits, args.models)
     print("\nmedian per-parameter error against the same fp16 forward's loss-×1 gradients\n")
     print(table(rows))
+    print("\n" + "\n".join(summary(rows)))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
 

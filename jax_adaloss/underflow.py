@@ -3,8 +3,9 @@
 For every weighted layer of ``fun`` (named as in :class:`BackwardReport`), the
 cotangent entering the layer is captured in a low-precision backward under a
 scaling method (adaptive, or one global loss scale; 1 means no scaling) and in
-a reference backward of ``reference`` at the same arguments. An entry that is
-zero in the first and non-zero in the second underflowed.
+a reference backward of ``reference`` at the same arguments. An entry non-zero in the
+second that the first holds below ``u_min`` underflowed (``measured``, what ``T`` bounds);
+one it holds at zero was lost outright (``flushed``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def compare_cotangents(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any
         sigma = jnp.sqrt(solver.variance(solver.tensor_stats(jnp.asarray(r, jnp.float32), jnp), jnp))
         return solver.predicted_underflow(config, sigma, jnp.asarray(scale, jnp.float32),
                                           jax.scipy.special.erf, jnp)
-    return compare_layers(low, ref, predicted)
+    return compare_layers(low, ref, predicted, config.underflow_limit)
 
 
 def measure_underflow(fun: Callable[..., Any], reference: Callable[..., Any], *args: Any,

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from adaloss_study import cli
 
 
@@ -99,7 +101,8 @@ def test_which_model_section_is_computed_from_the_records():
 
 def test_table_reports_mean_and_std_over_seeds():
     runs = [{"train_loss": 1.0, "val_loss": v, "val_ppl": 3.0, "skipped": 0, "underflow_mean": 1e-3,
-             "underflow_max": 2e-3, "step_ms": 10.0} for v in (2.0, 2.5)]
+             "underflow_max": 2e-3, "within_T": 0.5,
+             "flushed_max": 1e-4, "step_ms": 10.0} for v in (2.0, 2.5)]
     lines = cli._table({"fp32": runs}).splitlines()
     assert "2.2500 ± 0.2500" in lines[2]
     assert len(lines[0]) == len(lines[2])  # columns aligned
@@ -134,3 +137,45 @@ def test_overhead_mode_times_methods_alternately(tmp_path, capsys):
         assert all(len(v) == 2 and min(v) > 0 for v in result["ms_per_step"].values())
         assert result["ratio"]["dynamic"] == 1.0 and result["ratio"]["adaloss-product"] > 0
         assert "adaloss-product" in capsys.readouterr().out
+
+
+def test_adam_eps_follows_the_loss_factor_so_fp32_ignores_it(tmp_path):
+    """With ε = adam_eps × loss_factor, Adam sees the same problem at ×1 and ×1e-8: the fp32
+    reference trains the same (a fixed ε = 1e-8 would dominate gradients of ~1e-10)."""
+    losses = {}
+    for factor in ("1", "1e-8"):
+        out = tmp_path / factor
+        argv = ["--steps", "6", "--measure-every", "0", "--methods", "fp32", "--dim", "16", "--layers",
+                "1", "--seq", "16", "--loss-factor", factor, "--no-plots", "--out", str(out)]
+        assert cli.main(argv) == 0
+        losses[factor] = json.loads((out / "study.json").read_text())["runs"]["fp32"]["train_loss"]
+    assert losses["1"][-1] < losses["1"][0]  # it trains
+    assert losses["1e-8"] == pytest.approx(losses["1"], rel=1e-3)
+
+
+def test_ablation_methods(tmp_path, capsys):
+    """cast-only: layers apply no statistical scale (≤ 1), the loss cast does; largest-safe:
+    the caps decide; dynamic-grow: GradScaler's rule with the growth interval scaled down."""
+    out = tmp_path / "ablations"
+    argv = ["--steps", "4", "--measure-every", "2", "--methods", "dynamic-grow", "cast-only",
+            "largest-safe", "adaloss-product", "--growth-interval", "1", "--dim", "16", "--layers", "1",
+            "--seq", "16", "--no-plots", "--out", str(out)]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "within_T" in table and "flushed_max" in table
+    record = json.loads((out / "study.json").read_text())
+    runs = record["runs"]
+    grow = runs["dynamic-grow"]["scales"]
+    assert grow["3"]["global"] > grow["0"]["global"] > 2.0**16  # from 2^16, doubled every clean step
+    cast_only = runs["cast-only"]["scales"]["0"]
+    assert max(v for k, v in cast_only.items() if not k.startswith("cast:")) <= 1.0
+    assert max(v for k, v in cast_only.items() if k.startswith("cast:")) > 1.0
+    # the first decision (the loss cast, the largest): largest-safe takes at least the statistical
+    # scale, and its layers then lower it where the caps say so
+    ada, safe = runs["adaloss-product"]["scales"]["0"], runs["largest-safe"]["scales"]["0"]
+    loss_cast = max((k for k in ada if k.startswith("cast:")), key=ada.get)
+    assert safe[loss_cast] >= ada[loss_cast] > 1.0
+    assert min(safe.values()) < 1.0
+    for rows in record["summary"].values():
+        assert 0.0 <= rows[0]["within_T"] <= 1.0
+        assert rows[0]["flushed_max"] <= rows[0]["underflow_max"]

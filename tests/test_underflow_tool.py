@@ -1,5 +1,6 @@
-"""The underflow measurement tool (JAX and torch): per layer, entries zero in the
-low-precision backward but non-zero in an fp32 backward at the same weights."""
+"""The underflow measurement tool (JAX and torch): per layer, entries non-zero in an fp32
+backward at the same weights that the low-precision backward holds below u_min (``measured``)
+or at zero (``flushed``)."""
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,10 @@ def test_jax_scaling_methods_rank_as_expected():
     ada = jax_adaloss.measure_underflow(low, ref, params, x, y)
     assert set(none) == set(static) == set(ada) == {"params/Dense_1/kernel", "params/Dense_2/kernel"}
     for k in none:
-        assert none[k].measured > 0.5 and none[k].predicted > 0.1  # flushed to zero
-        assert static[k].measured < 0.05 and ada[k].measured < 0.05
+        assert none[k].flushed > 0.5 and none[k].predicted > 0.1  # flushed to zero
+        # 2^15 keeps them from zero but leaves most in the subnormal range: below u_min
+        assert static[k].flushed < 0.05 and static[k].measured > 0.1
+        assert ada[k].measured < 0.05 and ada[k].flushed <= ada[k].measured
         assert 0.0 <= ada[k].reference_zero < 1.0 and ada[k].size > 0
 
 
@@ -43,9 +46,16 @@ def test_jax_measurement_by_hand():
     got = jax_adaloss.measure_underflow(lambda *a: loss(*a, jnp.float16), lambda *a: loss(*a, jnp.float32),
                                         *args, argnums=(0, 1), loss_scale=1.0)
     (name,) = got
-    # 2^-26 flushes to zero in fp16 (below 2^-24); 2^-20 is a subnormal; the 0 is zero in both
-    assert got[name].measured == pytest.approx(0.25)
+    # 2^-26 flushes to zero in fp16 (below 2^-24); 2^-20 is a subnormal (below u_min = 2^-14);
+    # the 0 is zero in both
+    assert got[name].measured == pytest.approx(0.5)
+    assert got[name].flushed == pytest.approx(0.25)
     assert got[name].reference_zero == pytest.approx(0.25)
+    # with the authors' u_min (the smallest subnormal) only the flushed entry counts
+    authors = jax_adaloss.measure_underflow(
+        lambda *a: loss(*a, jnp.float16), lambda *a: loss(*a, jnp.float32), *args, argnums=(0, 1),
+        loss_scale=1.0, config=jax_adaloss.AdaLossConfig(u_min=2.0**-24))
+    assert authors[name].measured == pytest.approx(0.25)
 
 
 def _torch_losses(name, factor=1e-6):
@@ -65,7 +75,7 @@ def test_torch_scaling_methods_rank_as_expected_and_grads_are_kept():
     ada = torch_bridge.measure_underflow(model, low, ref)
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
     assert set(none) == set(ada) and "out.weight" in none
-    assert all(none[k].measured > 0.3 for k in none)
+    assert all(none[k].flushed > 0.3 for k in none)
     assert all(ada[k].measured < 0.05 for k in ada)
     with pytest.raises(ValueError, match="loss_scale"):
         torch_bridge.measure_underflow(model, low, ref, loss_scale=0.0)
@@ -81,6 +91,7 @@ def test_torch_measurement_by_hand():
         with torch.autocast("cpu", dtype=torch.float16, enabled=low):
             return (lin(x).float() * c).sum()
     got = torch_bridge.measure_underflow(lin, lambda: loss(True), lambda: loss(False), loss_scale=1.0)
-    assert got["weight"].measured == pytest.approx(0.25)
+    assert got["weight"].measured == pytest.approx(0.5)
+    assert got["weight"].flushed == pytest.approx(0.25)
     assert got["weight"].reference_zero == pytest.approx(0.25)
     assert np.isclose(got["weight"].size, 4)

@@ -57,7 +57,7 @@ def compare_cotangents(low: dict[str, tuple[torch.Tensor, torch.Tensor]],
     def predicted(r: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         sigma = torch.sqrt(solver.variance(tensor_stats(r), xp))
         return solver.predicted_underflow(config, sigma, scale.to(torch.float32), torch.special.erf, xp)
-    return compare_layers(low, ref, predicted, lambda t: t.detach().cpu().numpy())
+    return compare_layers(low, ref, predicted, config.underflow_limit, lambda t: t.detach().cpu().numpy())
 
 
 def measure_underflow(model: torch.nn.Module, loss_low: Callable[[], torch.Tensor],
