@@ -34,7 +34,7 @@ LR = 300.0  # = 0.03 / LOSS_FACTOR: the weights really move
 # (the CNN), 7e-3 (MLP), 3.5e-3 (residual), 2.2e-3 (GPT) on this machine. Under the method's
 # subnormal limits JAX's fp32 weight gradients and torch's fp16 ones (computed by the node
 # from cotangents a few subnormal quanta above zero) differ more: up to 7.0e-2 (the CNN).
-GRAD_TOL = {"default": 0.05, "method": 0.1}
+GRAD_TOL = {"default": 0.05, "method": 0.1, "cast-only": 0.05}
 UNDERFLOW_TOL = 2e-3
 MEAN_UNDERFLOW_TOL = 2.5e-4
 CONFIGS = {
@@ -42,7 +42,18 @@ CONFIGS = {
     # the method's own limits (u_min = the smallest subnormal, both bounds u_max): cotangents
     # in the subnormal range, where the frameworks' fp16 kernels round differently
     "method": AdaLossConfig(u_min=2.0**-24, layer_bound=65504.0, accum_bound=65504.0),
+    # the ablation of the per-layer decisions: the cast decisions alone, layers only capped
+    "cast-only": AdaLossConfig(layer_rule=False),
 }
+# How close to a power of two a decision that differs must be to count as a rounding
+# boundary. cast-only: no layer lifts the cotangents, so the casts inside the residual
+# block (the LayerNorm and GELU upcasts, where the twins round in different precisions)
+# see cotangents whose log-statistics differ by up to ~2 % between the frameworks: measured
+# at step 14, 63.16 in JAX (→ 2^5) against 64.48 in torch (→ 2^6).
+BOUNDARY_REL = {"default": 1e-3, "method": 1e-3, "cast-only": 2e-2}
+# cast-only leaves ~1e-2 of up1's incoming cotangent below u_min (40× the default's); the
+# twins' 20-step means differ by 4e-4 there (4 % of the rate, step 14's boundary included)
+MEAN_UNDERFLOW_BY_CONFIG = {"cast-only": 1e-3}
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -50,7 +61,8 @@ CONFIGS = {
 def test_scales_and_underflow_match_across_frameworks(model, config):
     cfg = CONFIGS[config]
     jx, tr = run_pair(model, STEPS, cfg, LR, LOSS_FACTOR)
-    result = compare(jx, tr, underflow_tol=UNDERFLOW_TOL, mean_underflow_tol=MEAN_UNDERFLOW_TOL,
+    result = compare(jx, tr, rel=BOUNDARY_REL[config], underflow_tol=UNDERFLOW_TOL,
+                     mean_underflow_tol=MEAN_UNDERFLOW_BY_CONFIG.get(config, MEAN_UNDERFLOW_TOL),
                      grad_tol=GRAD_TOL[config])
     for case in result.boundary:
         warnings.warn(f"{model}/{config}: power-of-two boundary case: {case}", stacklevel=1)
