@@ -33,7 +33,7 @@ CASES = (
          "(p − onehot)/N: ~1e-5 at this batch's 1024 tokens, ~1e-8 at a 1M-token batch (×1e-3), below "
          "fp16's smallest subnormal (6e-8). Unscaled fp16 loses it; a global 2^15-2^16 lifts it to "
          "~5e-4 at the logits but leaves the attenuated cotangents of lower layers in fp16's subnormal "
-         "range (below 2^-14: fewer bits); adaptive scaling lifts each above it."),
+         "range (below 2^-14: fewer bits); adaptive scaling aims to leave at most T of each below it."),
     Case("natural", "Natural loss (×1): does anything need scaling at this batch size?",
          ("--loss-factor", "1", "--methods", "fp32", "fp16", "dynamic", "adaloss-product", "cast-only"),
          "At 1024 tokens the cotangents are ~1e-5: fp16 keeps them (subnormal at the smallest)."),
