@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from adaloss.config import AdaLossConfig
+from adaloss_study.jax_runner import adaloss_config
 from adaloss_zoo.metrics import grad_error
 from adaloss_zoo.tables import summary, table
 
-#: per-layer scales decided by the overflow caps alone: every statistical scale saturates
-LARGEST_SAFE = AdaLossConfig(u_min=2.0**15)
-#: the statistical cast decision alone: no per-layer statistical scale
-CAST_ONLY = AdaLossConfig(layer_rule=False)
+#: the ablations, as the study defines them (one definition): per-layer scales decided by the
+#: overflow caps alone (every statistical scale saturates); the statistical cast decision alone
+LARGEST_SAFE = adaloss_config("largest-safe", AdaLossConfig())
+CAST_ONLY = adaloss_config("cast-only", AdaLossConfig())
 STATIC = 2.0**15
 
 
