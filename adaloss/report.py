@@ -84,10 +84,9 @@ class LayerUnderflow(NamedTuple):
 
     Attributes:
       measured: fraction of the entries, non-zero in a reference (fp32) backward at the same
-        weights, that the low-precision backward holds below ``u_min`` in magnitude (as
-        carried, scaled): the quantity the threshold ``T`` bounds and ``predicted`` models.
-        With ``u_min`` the smallest normal number they are left with fewer significant bits;
-        with the authors' ``u_min`` (the smallest subnormal) this is ``flushed``.
+        weights, whose reference value times the scale the low-precision cotangent carries
+        is below ``u_min`` in magnitude: the underflow the scale decisions leave, the
+        quantity the threshold ``T`` bounds and ``predicted`` models.
       predicted: fraction of the true cotangent, modelled as normal, that the scale
         it carries leaves below u_min: ``erf(u_min / (P·σ·√2))``, σ the std of the
         reference cotangent, P the carried scale.
@@ -95,7 +94,12 @@ class LayerUnderflow(NamedTuple):
         (ReLU, masks): they cannot underflow.
       size: number of entries.
       flushed: fraction of the entries, non-zero in the reference, that are zero in the
-        low-precision backward: lost outright (a subset of ``measured``).
+        low-precision backward: lost outright.
+      carried: fraction of the entries, non-zero in the reference, that the low-precision
+        backward holds below ``u_min`` (as carried, scaled). It exceeds ``measured`` by what
+        the low-precision arithmetic loses at any scale: e.g. fp16's ``tanh`` saturates at
+        |x| ≳ 4.5, so the derivative of the tanh-approximated GELU is exactly 0 there in
+        fp16 (tiny, non-zero in fp32), and those entries are zero whatever the scale.
     """
 
     measured: float
@@ -103,6 +107,7 @@ class LayerUnderflow(NamedTuple):
     reference_zero: float
     size: int
     flushed: float
+    carried: float
 
 
 def compare_layers(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any, Any]],
@@ -120,12 +125,15 @@ def compare_layers(low: dict[str, tuple[Any, Any]], ref: dict[str, tuple[Any, An
         if name.startswith("cast:") or name not in ref:
             continue
         r = ref[name][0]
-        g_np, r_np = to_numpy(g), to_numpy(r)
+        g_np = to_numpy(g).astype(np.float64)
+        r_np = to_numpy(r).astype(np.float64)
         live = r_np != 0
-        out[name] = LayerUnderflow(measured=float(np.mean((np.abs(g_np) < u_min) & live)),
+        carried_scale = float(to_numpy(scale))
+        out[name] = LayerUnderflow(measured=float(np.mean((np.abs(r_np) * carried_scale < u_min) & live)),
                                    predicted=float(predicted(r, scale)),
                                    reference_zero=float(np.mean(~live)), size=int(g_np.size),
-                                   flushed=float(np.mean((g_np == 0) & live)))
+                                   flushed=float(np.mean((g_np == 0) & live)),
+                                   carried=float(np.mean((np.abs(g_np) < u_min) & live)))
     return out
 
 

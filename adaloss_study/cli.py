@@ -69,27 +69,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _summary(r: RunResult, threshold: float) -> dict[str, float]:
-    """One run's row: losses, skips, underflow (below u_min: mean, max, the share of
-    layer-steps at most ``threshold``; flushed to zero: max) and step time."""
+    """One run's row: losses, skips, underflow (left below u_min by the scales: mean, max, the
+    share of layer-steps at most ``threshold``; held below u_min as carried: mean; flushed to
+    zero: max) and step time."""
     rates = np.array([v for step in r.underflow.values() for v in step.values()], float)
     flushed = [v for step in r.flushed.values() for v in step.values()]
+    carried = [v for step in r.carried.values() for v in step.values()]
     return {"train_loss": float(np.mean(r.train_loss[-20:])), "val_loss": r.val_loss,
             "val_ppl": r.val_ppl, "skipped": r.skipped,
             "underflow_mean": float(rates.mean()) if rates.size else 0.0,
             "underflow_max": float(rates.max()) if rates.size else 0.0,
             "within_T": float(np.mean(rates <= threshold)) if rates.size else 1.0,
+            "carried_mean": float(np.mean(carried)) if carried else 0.0,
             "flushed_max": float(np.max(flushed)) if flushed else 0.0, "step_ms": r.step_ms}
 
 
 def _table(rows: dict[str, list[dict[str, float]]]) -> str:
     cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "within_T",
-            "flushed_max", "step_ms"]
+            "carried_mean", "flushed_max", "step_ms"]
     cells: dict[str, list[str]] = {}
     for method, runs in rows.items():
         cells[method] = []
         for c in cols:
             vals = np.array([r[c] for r in runs], float)
-            fmt = (".2e" if c.startswith(("underflow", "flushed")) else ".0f" if c == "skipped"
+            fmt = (".2e" if c.startswith(("underflow", "flushed", "carried")) else ".0f" if c == "skipped"
                    else ".2f" if c == "within_T" else ".4f")
             cells[method].append(f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else ""))
     width = max([len(c) for c in cols] + [len(x) for row in cells.values() for x in row]) + 2

@@ -68,7 +68,8 @@ def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str
     (same initialisation and batches), mean ± std over seeds."""
     cols = [("val_loss", "val loss", ".4f"), ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
             ("underflow_mean", "underflow mean", ".2e"), ("underflow_max", "underflow max", ".2e"),
-            ("within_T", "within T", ".2f"), ("flushed_max", "flushed max", ".2e"),
+            ("within_T", "within T", ".2f"), ("carried_mean", "carried mean", ".2e"),
+            ("flushed_max", "flushed max", ".2e"),
             ("step_ms", "ms/step", ".1f")]
     first = next(iter(rows.values()))[0]
     cols = [c for c in cols if c[0] in first]  # records written before a column existed
@@ -112,11 +113,14 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
              "Char-level GPT on Shakespeare (held-out plays for val loss) unless said otherwise; "
              "JAX unless `--framework torch`; 2-core CPU. "
              "Underflow: per layer, the fraction of the incoming cotangent's entries (non-zero in an "
-             "fp32 backward at the same weights) that the fp16 backward holds below u_min = 2^-14, "
-             "fp16's smallest normal number, as carried (scaled): what T bounds; `within T`: the "
-             "share of measured layer-steps at most T; `flushed max`: the largest fraction held at "
-             "zero. Measured every 50 steps. Adam's ε is 1e-8 × the loss factor, so the fp32 "
-             "reference is the same at every factor.", ""]
+             "fp32 backward at the same weights) whose value, times the scale the fp16 cotangent "
+             "carries, is below u_min = 2^-14, fp16's smallest normal number: what the scale "
+             "decisions leave below it, what T bounds; `within T`: the share of measured "
+             "layer-steps at most T; `carried mean`: the fraction the fp16 backward holds below "
+             "u_min as carried, which adds what fp16 arithmetic loses at any scale (the "
+             "tanh-approximated GELU's derivative is exactly 0 in fp16 where tanh saturates); "
+             "`flushed max`: the largest fraction held at zero. Measured every 50 steps. Adam's ε "
+             "is 1e-8 × the loss factor, so the fp32 reference is the same at every factor.", ""]
     intro = len(parts)
     for case in cases:
         argv, record = _run_case(out, case, "study.json", run, reuse)
@@ -241,6 +245,16 @@ def _threshold_rows(record: dict[str, Any], method: str) -> list[tuple[str, floa
             for step, rates in run["underflow"].items() for layer, rate in rates.items()]
 
 
+def _carried_means(record: dict[str, Any], method: str) -> dict[str, float]:
+    """Per layer: mean over the measured steps of the fraction held below u_min as carried."""
+    run = record.get("runs", {}).get(method) or {}
+    got: dict[str, list[float]] = {}
+    for rates in run.get("carried", {}).values():
+        for layer, rate in rates.items():
+            got.setdefault(layer, []).append(rate)
+    return {k: float(np.mean(v)) for k, v in got.items()}
+
+
 def _limited_share(record: dict[str, Any], method: str) -> tuple[int, int]:
     """(decisions a cap or bound set, all decisions) over the recorded steps of ``method``."""
     run = record["runs"][method]
@@ -259,15 +273,17 @@ def _against_threshold(record: dict[str, Any], method: str = "adaloss-product") 
     layers: dict[str, list[tuple[float, float]]] = {}
     for layer, rate, pred in rows:
         layers.setdefault(layer, []).append((rate, pred))
+    carried = _carried_means(record, method)
     lines = []
     for layer, got in layers.items():
         rates, preds = np.array(got).T
+        held = f"{carried[layer]:.2e}" if layer in carried else "–"
         lines.append(f"| {layer} | {rates.mean():.2e} | {rates.max():.2e} | {preds.mean():.2e} | "
-                     f"{int((rates > t).sum())} / {len(got)} |")
+                     f"{held} | {int((rates > t).sum())} / {len(got)} |")
     return ["<details><summary>Per-layer measured underflow vs T = "
             f"{t:g} ({method}, seed 0)</summary>", "",
-            "| layer | measured mean | measured max | predicted mean | steps above T |",
-            "|---|---|---|---|---|", *lines, "", "</details>", ""]
+            "| layer | measured mean | measured max | predicted mean | carried mean | steps above T |",
+            "|---|---|---|---|---|---|", *lines, "", "</details>", ""]
 
 
 def _threshold_summary(records: dict[str, dict[str, Any]], method: str = "adaloss-product") -> list[str]:

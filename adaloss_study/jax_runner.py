@@ -105,8 +105,10 @@ class RunResult:
     skipped: int = 0
     step_ms: float = float("nan")  # median of step_seconds (the first, compiling, step left out)
     step_seconds: list[float] = dataclasses.field(default_factory=list)
-    # step -> layer -> fraction below u_min (LayerUnderflow.measured) / at zero (.flushed)
+    # step -> layer -> fraction the scale leaves below u_min (LayerUnderflow.measured), held
+    # below u_min as carried (.carried), at zero (.flushed)
     underflow: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    carried: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     flushed: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     predicted: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)  # step -> layer -> rate
     # step -> layer -> scale (adaloss) or {"global": S}
@@ -126,6 +128,7 @@ class RunResult:
     def add_underflow(self, step: int, got: dict[str, Any]) -> None:
         """``got``: layer -> :class:`adaloss.report.LayerUnderflow`."""
         self.underflow[step] = {k: u.measured for k, u in got.items()}
+        self.carried[step] = {k: u.carried for k, u in got.items()}
         self.flushed[step] = {k: u.flushed for k, u in got.items()}
         self.predicted[step] = {k: u.predicted for k, u in got.items()}
 

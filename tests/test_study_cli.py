@@ -101,7 +101,7 @@ def test_which_model_section_is_computed_from_the_records():
 
 def test_table_reports_mean_and_std_over_seeds():
     runs = [{"train_loss": 1.0, "val_loss": v, "val_ppl": 3.0, "skipped": 0, "underflow_mean": 1e-3,
-             "underflow_max": 2e-3, "within_T": 0.5,
+             "underflow_max": 2e-3, "within_T": 0.5, "carried_mean": 3e-3,
              "flushed_max": 1e-4, "step_ms": 10.0} for v in (2.0, 2.5)]
     lines = cli._table({"fp32": runs}).splitlines()
     assert "2.2500 ± 0.2500" in lines[2]
@@ -115,6 +115,7 @@ def test_threshold_summary_separates_held_back_scales_from_model_misses():
               "runs": {"adaloss-product": {
                   "underflow": {"0": {"a": 0.0, "b": 0.5, "c": 0.01}, "50": {"a": 2e-3, "b": 1e-4, "c": 0.0}},
                   "predicted": {"0": {"a": 0.0, "b": 0.4, "c": 1e-4}, "50": {"a": 1e-3, "b": 0.0, "c": 0.0}},
+                  "carried": {"0": {"b": 0.6}, "50": {"b": 0.2}},
                   "scales": {"0": {"a": 1.0, "b": 2.0, "c": 4.0, "cast:0": 8.0},
                              "50": {"a": 1.0, "b": 2.0, "c": 4.0, "cast:0": 8.0}},
                   "limited": {"0": ["b", "cast:0"], "50": []}}}}
@@ -123,7 +124,9 @@ def test_threshold_summary_separates_held_back_scales_from_model_misses():
     assert "| case | 6 | 3 | 1 | 2 | 2 / 8 |" in page
     assert "`a`, `c`" in page
     detail = "\n".join(gallery._against_threshold(record))
-    assert "| b | 2.50e-01 | 5.00e-01 | 2.00e-01 | 1 / 2 |" in detail
+    # measured mean and max, predicted mean, carried mean (none recorded for c), steps above T
+    assert "| b | 2.50e-01 | 5.00e-01 | 2.00e-01 | 4.00e-01 | 1 / 2 |" in detail
+    assert "| c | 5.00e-03 | 1.00e-02 | 5.00e-05 | – | 1 / 2 |" in detail
 
 
 def test_overhead_mode_times_methods_alternately(tmp_path, capsys):
@@ -162,7 +165,7 @@ def test_ablation_methods(tmp_path, capsys):
             "--seq", "16", "--no-plots", "--out", str(out)]
     assert cli.main(argv) == 0
     table = capsys.readouterr().out
-    assert "within_T" in table and "flushed_max" in table
+    assert "within_T" in table and "carried_mean" in table and "flushed_max" in table
     record = json.loads((out / "study.json").read_text())
     runs = record["runs"]
     grow = runs["dynamic-grow"]["scales"]
@@ -178,4 +181,7 @@ def test_ablation_methods(tmp_path, capsys):
     assert min(safe.values()) < 1.0
     for rows in record["summary"].values():
         assert 0.0 <= rows[0]["within_T"] <= 1.0
-        assert rows[0]["flushed_max"] <= rows[0]["underflow_max"]
+        assert 0.0 <= rows[0]["flushed_max"] <= 1.0 and 0.0 <= rows[0]["carried_mean"] <= 1.0
+    for run in runs.values():  # flushed entries are a subset of those held below u_min as carried
+        for step, flushed in run["flushed"].items():
+            assert all(v <= run["carried"][step][k] for k, v in flushed.items())
