@@ -29,6 +29,10 @@ class LayerReport(NamedTuple):
       unrounded_scale: ``scale`` before the power-of-two floor (after every bound);
         a value within rounding of a power of two can round differently across
         frameworks or kernels.
+      incoming_held: whether a cap or bound set a decision behind ``incoming_scale`` (the
+        layer decisions that scaled this cotangent, through merges) below its statistical
+        scale: then a larger scale was not available, whatever underflow remains (bool;
+        ``False`` for a cast, whose incoming cotangent is wide).
     """
 
     scale: Array
@@ -40,6 +44,7 @@ class LayerReport(NamedTuple):
     grad_absmax: Array
     fan_in: Array
     unrounded_scale: Array
+    incoming_held: Array = False
 
 
 class Coverage(NamedTuple):

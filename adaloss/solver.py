@@ -15,8 +15,9 @@ For a layer ``y = x·Wᵀ`` whose incoming cotangent ``g`` carries scale ``P``
    - ``gradient``: σ² = Var[g]
 
 2. Smallest scale putting at most a fraction T of a N(0, σ) quantity below
-   u_min: ``s = u_min / (σ·√2·erfinv(T))``; then ``s = max(s, 1)``. σ = 0 (no
-   spread to model) gives 1; an estimate beyond fp32 saturates, and the caps decide.
+   u_min: ``s = u_min / (σ·√2·erfinv(T))``, times the decision's lift ``2^k`` (measured
+   feedback, :func:`lift_update`); then ``s = max(s, 1)``. σ = 0 (no spread to model)
+   gives 1; an estimate beyond fp32 saturates, and the caps decide.
 3. Overflow cap: ``s = min(s, u_max / max|g|, u_max / (n·m))`` with ``m`` the largest
    possible ``|g·W|`` (``gradient``: ``u_max / max|g|`` only); ``s = min(s, accum_bound / P)``;
    ``s = min(s, layer_bound)``; round down to a power of two.
@@ -153,14 +154,23 @@ def saturating_quotient(limit: float, x: Array, xp: Any) -> Array:
     return limit / xp.where(x > floor, x, xp.full_like(x, floor))
 
 
-def model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None) -> Array:
-    """Step 2: ``max(b·u_min / (σ·√2·erfinv(T)), 1)``; σ = 0 gives 1, a σ so small that the
+def model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None,
+                lift: Array | None = None) -> Array:
+    """Step 2: ``max(b·l·u_min / (σ·√2·erfinv(T)), 1)``; σ = 0 gives 1, a σ so small that the
     quotient would leave fp32 saturates (:func:`saturating_quotient`). ``b`` is the back-off
-    factor (``2^-h``, default 1). 1 without ``config.layer_rule`` (the cast-only ablation)."""
+    factor (``2^-h``, default 1), ``l`` the lift (``2^k``, :func:`lift_update`, default 1).
+    1 without ``config.layer_rule`` (the cast-only ablation)."""
     if not config.layer_rule:
         return xp.ones_like(sigma)
     s = _backed_off(saturating_quotient(config.underflow_limit, sigma * config.z_two_sided, xp), backoff)
-    return _at_least_one(s, sigma > 0, xp)
+    return _at_least_one(_lifted(s, lift, xp), sigma > 0, xp)
+
+
+def _lifted(s: Array, lift: Array | None, xp: Any) -> Array:
+    """``s · lift`` (a power of two ≥ 1), saturating at :data:`F32_MAX`; ``s`` without one."""
+    if lift is None:
+        return s
+    return xp.minimum(s * lift, xp.full_like(s, F32_MAX))
 
 
 def _backed_off(x: Array, backoff: Array | None) -> Array:
@@ -224,7 +234,7 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
                 fan_in: int, incoming: Array, xp: Any,
                 cached_model_scale: Array | None = None,
                 cached_sigma: Array | None = None, backoff: Array | None = None,
-                extra_cap: Array | None = None) -> LayerScale:
+                extra_cap: Array | None = None, lift: Array | None = None) -> LayerScale:
     """The scale a weighted layer applies to its input cotangent.
 
     ``cached_model_scale`` replaces the statistical part (``update_every``);
@@ -233,12 +243,13 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     then lack their moments). ``backoff`` (``2^-h`` after overflowed steps, see
     :func:`backoff_factor`) moves the whole target range [u_min, u_max] down by it.
     ``extra_cap`` is a further overflow cap the caller knows (:func:`weight_grad_cap`).
+    ``lift`` (``2^k``, :func:`lift_update`) multiplies the statistical scale only.
     """
     if cached_model_scale is not None and cached_sigma is not None:
         sigma = cached_sigma
     else:
         sigma = model_sigma(config, g, w, fan_in, xp)
-    s_model = (model_scale(config, sigma, xp, backoff) if cached_model_scale is None
+    s_model = (model_scale(config, sigma, xp, backoff, lift) if cached_model_scale is None
                else cached_model_scale)
     cap = overflow_cap(config, g, w, fan_in, xp, backoff)
     if extra_cap is not None:
@@ -301,6 +312,64 @@ def backoff_update(config: AdaLossConfig, h: Array, good: Array, finite: Array, 
     h_down = xp.maximum(h - 1, zero)
     h = xp.where(finite, xp.where(recover, h_down, h), h_up)
     return h, xp.where(recover, zero, good)
+
+
+#: Largest lift exponent: the statistical scales may rise by at most 2^MAX_LIFT.
+MAX_LIFT = 10
+#: The lift rises while the measured fraction exceeds LIFT_AIM·T (below T: the fraction varies
+#: from batch to batch) and falls when it is below LIFT_AIM·T / LIFT_BAND (hysteresis: one step
+#: down at most doubles the fraction, so it cannot cross the aim at once)
+LIFT_AIM = 0.5
+LIFT_BAND = 16.0
+
+
+def lift_factor(k: Array, xp: Any) -> Array:
+    """``2^k`` in fp32, exactly, for the lift exponent ``k`` (int32, 0 ≤ k ≤ MAX_LIFT)."""
+    k = xp.astype(k, xp.int32)
+    return xp.ldexp(xp.ones_like(k, dtype=xp.float32), k)
+
+
+def subnormal_fraction(x: Array, config: AdaLossConfig, xp: Any, absmax: Array | None = None) -> Array:
+    """Fraction of the non-zero entries of ``x`` (as carried) below ``u_min`` in magnitude, in
+    fp32 (0 when all are zero): the underflow ``T`` bounds, counted. Zeros are left out, as
+    they may be exact (ReLU, masks). With ``absmax`` (``max|x|``) given: 0 where ``x`` has no
+    room to double below ``u_max`` (a larger scale would overflow; no lift can help there)."""
+    a = xp.abs(_f32(x, xp))
+    nz = xp.sum(xp.astype(a > 0, xp.float32))
+    low = xp.sum(xp.astype((a > 0) & (a < config.underflow_limit), xp.float32))
+    frac = low / xp.maximum(nz, xp.ones_like(nz))
+    if absmax is None:
+        return frac
+    return xp.where(absmax * 2.0 < config.overflow_limit, frac, xp.zeros_like(frac))
+
+
+def underflow_ratio(fractions: Sequence[Array], limited: Array | None, config: AdaLossConfig,
+                    xp: Any) -> Array:
+    """What a backward reports to :func:`lift_update` for one decision: the largest
+    :func:`subnormal_fraction` among the cotangents carrying its scale into layers, over
+    ``T`` (1 means exactly ``T``). Where a cap or bound set the decision below its statistical
+    scale (``limited``), a larger lift cannot raise it: the ratio is held at most
+    :data:`LIFT_AIM`, so that
+    the lift does not climb for nothing (it may still fall)."""
+    ratio = xp.max(xp.stack(list(fractions))) / config.threshold
+    if limited is None:
+        return ratio
+    return xp.where(limited, xp.minimum(ratio, xp.full_like(ratio, LIFT_AIM)), ratio)
+
+
+def lift_update(config: AdaLossConfig, k: Array, ratio: Array, finite: Array, xp: Any) -> Array:
+    """A decision's lift exponent after one step: ``+1`` (at most :data:`MAX_LIFT`) when
+    ``ratio`` (:func:`underflow_ratio`: the largest fraction below u_min over ``T`` among the
+    cotangents the decision scaled) exceeds :data:`LIFT_AIM` (``T/2``),
+    ``-1`` (not below 0) when it is below ``LIFT_AIM / LIFT_BAND`` (``T/32``); unchanged on a step with a
+    non-finite gradient (the back-off answers those) or without ``config.underflow_feedback``.
+    On device: ``k`` is an int32 0-d array."""
+    if not config.underflow_feedback:
+        return k
+    up = xp.minimum(k + 1, xp.full_like(k, MAX_LIFT))
+    down = xp.maximum(k - 1, xp.zeros_like(k))
+    new = xp.where(ratio > LIFT_AIM, up, xp.where(ratio < LIFT_AIM / LIFT_BAND, down, k))
+    return xp.where(finite, new, k)
 
 
 def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float,

@@ -238,10 +238,21 @@ def _which_model(records: dict[str, dict[str, Any]]) -> list[str]:
 
 def _threshold_rows(record: dict[str, Any], method: str) -> list[tuple[str, float, float]]:
     """(layer, measured, predicted underflow) over the measured steps of ``method``'s first seed."""
+    return [row[:3] for row in _held_rows(record, method)]
+
+
+def _held_rows(record: dict[str, Any], method: str) -> list[tuple[str, float, float, bool]]:
+    """(layer, measured, predicted, held back) per measured step of ``method``'s first seed.
+    Held back: a cap or bound set a decision behind the layer's incoming scale below its
+    statistical scale (``LayerReport.incoming_held``); records written before that was kept
+    fall back to the normal model predicting > T at the carried scale."""
     run = record.get("runs", {}).get(method)
     if not run:
         return []
-    return [(layer, rate, run["predicted"][step][layer])
+    t = record["config"]["adaloss"]["threshold"]
+    held = run.get("held")
+    return [(layer, rate, pred := run["predicted"][step][layer],
+             layer in held.get(step, []) if held is not None else pred > t)
             for step, rates in run["underflow"].items() for layer, rate in rates.items()]
 
 
@@ -290,12 +301,12 @@ def _threshold_summary(records: dict[str, dict[str, Any]], method: str = "adalos
     """The target: measured underflow ≤ T wherever the bounds let the statistical scale through."""
     rows, misses = [], {}
     for name, record in records.items():
-        pairs = _threshold_rows(record, method)
+        pairs = _held_rows(record, method)
         if not pairs:
             continue
         t = record["config"]["adaloss"]["threshold"]
-        short = sum(1 for _, rate, pred in pairs if rate > t and pred > t)
-        missed = [layer for layer, rate, pred in pairs if rate > t >= pred]
+        short = sum(1 for _, rate, _, held in pairs if rate > t and held)
+        missed = [layer for layer, rate, _, held in pairs if rate > t and not held]
         misses[name] = sorted(set(missed))
         limited, decisions = _limited_share(record, method)
         ok = len(pairs) - short - len(missed)
@@ -305,13 +316,14 @@ def _threshold_summary(records: dict[str, dict[str, Any]], method: str = "adalos
     listed = [f"- {name}: " + ", ".join(f"`{x}`" for x in free) for name, free in misses.items() if free]
     return ["## Measured underflow against the threshold", "",
             f"Each (measured step, layer) of {method} (seed 0), for the cotangent entering the layer: "
-            "at most T; above T where the scale it carried was too small for T (the normal model "
-            "at that scale predicts > T too: a cap or bound downstream held the scale back); or "
-            "above T although the model predicted ≤ T (the model's miss: more tiny entries than a "
-            "normal distribution has, e.g. after an activation's derivative). Last column: the "
-            "decisions (layers and casts) at those steps whose scale a cap or bound set below the "
-            "statistical one.", "",
-            "| case | layer-steps | ≤ T | > T, scale held back | > T, model's miss | decisions limited |",
+            "at most T; above T where a cap or bound set a decision behind the scale it carried "
+            "below that decision's statistical scale (held back: no larger scale was available, "
+            "`LayerReport.incoming_held`); or above T although nothing held it back (the "
+            "decisions' miss: the normal model and the measured lift, "
+            "`AdaLossConfig.underflow_feedback`, left more than T there; the lift starts at 0, "
+            "so step 0 has only the model). Last column: the decisions (layers and casts) at "
+            "those steps whose scale a cap or bound set below the statistical one.", "",
+            "| case | layer-steps | ≤ T | > T, scale held back | > T, decisions' miss | decisions limited |",
             "|---|---|---|---|---|---|", *rows, "",
-            "Layers above T where the model predicted ≤ T:" if listed else
-            "No layer was above T where the model predicted ≤ T.", "", *listed, ""]
+            "Layers above T that nothing held back:" if listed else
+            "No layer was above T where nothing held its scale back.", "", *listed, ""]

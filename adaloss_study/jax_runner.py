@@ -115,6 +115,8 @@ class RunResult:
     scales: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     # step -> adaloss decisions whose scale a cap or bound set, below the statistical scale
     limited: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    # step -> adaloss layers whose incoming scale such a decision set (a larger one not available)
+    held: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def val_ppl(self) -> float:
@@ -201,6 +203,7 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, cfg: Ru
         if telemetry:
             for k, r in report.layers.items():
                 scales[k], scales[f"{k}#limited"] = r.scale, r.unrounded_scale < r.model_scale
+                scales[f"{k}#held"] = r.incoming_held
         state = (opt_state, report.cache) if cached else opt_state
         return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
     return step, (tx.init(params), None) if cached else tx.init(params)
@@ -253,8 +256,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         x, y = next(data)
         if method != "fp32" and cfg.measure_every and i % cfg.measure_every == 0:
-            if t.ada_cfg is not None:
-                low = capture_adaptive(t.params, x, y, _ONE)
+            if t.ada_cfg is not None:  # with the run's back-off and lifts
+                low = capture_adaptive(t.params, x, y, _ONE, state=t.state)
             else:
                 low = capture_global(t.params, x, y, t.global_scale())
             got = compare_cotangents(low, capture_ref(t.params, x, y, _ONE), cfg.adaloss)
@@ -264,9 +267,11 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
         jax.block_until_ready(value)
         res.add_step(time.perf_counter() - t0, float(value) / cfg.loss_factor, bool(skip))
         if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
-            res.scales[i] = {k: float(v) for k, v in step_scales.items() if not k.endswith("#limited")}
+            res.scales[i] = {k: float(v) for k, v in step_scales.items() if "#" not in k}
             res.limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
                                 if k.endswith("#limited") and bool(v))
+            res.held[i] = sorted(k.removesuffix("#held") for k, v in step_scales.items()
+                             if k.endswith("#held") and bool(v))
     val_loss = float(np.mean([float(eval_loss(t.params, x, y)) for x, y in val])) / cfg.loss_factor
     if t.ada_cfg is not None:
         res.skipped = int(optax.tree.get(t.state, "skipped"))  # counted by the transformation

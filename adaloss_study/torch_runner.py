@@ -106,8 +106,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             current = None if adaptive else (float(scaler.get_scale()) if scaler is not None else 1.0)
             got = compare_cotangents(
                 torch_bridge.layer_cotangents(model, functools.partial(t.loss_of, x, y, True),
-                                              loss_scale=current,
-                                              config=scaler.config if adaptive else cfg.adaloss),
+                                              loss_scale=current, config=cfg.adaloss,
+                                              scaler=scaler if adaptive else None),
                 torch_bridge.layer_cotangents(model, functools.partial(t.loss_of, x, y, False),
                                               loss_scale=1.0, config=cfg.adaloss), cfg.adaloss)
             res.add_underflow(i, got)
@@ -120,6 +120,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
                 res.scales[i] = {k: float(r.scale) for k, r in reports.items()}
                 res.limited[i] = sorted(k for k, r in reports.items()
                                     if float(r.unrounded_scale) < float(r.model_scale))
+                res.held[i] = sorted(k for k, r in reports.items() if bool(r.incoming_held))
             else:
                 res.scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
     with torch.no_grad():

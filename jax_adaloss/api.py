@@ -94,7 +94,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool 
     keyword argument ``adaloss_state=`` (not forwarded to ``fun``; any pytree containing
     one :class:`AdaLossState`, e.g. ``opt_state`` or ``nnx.Optimizer.opt_state``). After
     skipped steps its ``backoff`` exponent ``h`` lowers every decision's target range by
-    ``2^-h``, so a deterministic overflow cannot repeat every step. Without it ``h = 0``.
+    ``2^-h``, so a deterministic overflow cannot repeat every step; its per-weight ``lift``
+    exponents ``k`` (``AdaLossConfig.underflow_feedback``) multiply the statistical scale of
+    that weight's layer by ``2^k`` after backwards in which the cotangents it scaled reached
+    the next layers with more than ``T/2`` of their entries below ``u_min``. Without it
+    ``h = k = 0``: pass it in a training loop.
     """
     return _value_and_grad(fun, argnums, has_aux, config, allow_int, return_report, capture_cotangents,
                            adaptive=True, weights=weights, wrt=wrt)
@@ -162,18 +166,21 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
 
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
-        outs, cts, report = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
-                                             capture_cotangents, adaptive, fp32_backward, backoff)
+        backoff_f, lift_f = backoff if backoff is not None else (None, None)
+        outs, cts, report, signals = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
+                                                     capture_cotangents, adaptive, fp32_backward,
+                                                     backoff_f, lift_f)
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
         grad_leaves: list[Any] = list(flat)
-        for i, d, ct in zip(dyn, diff, cts):
+        for i, d, ct, origin in zip(dyn, diff, cts, origins):
             leaf = flat[i]
+            signal = signals.get(origin) if origin is not None else None
             if d:
                 if ct is None:
-                    grad_leaves[i] = ScaledGrad(jnp.zeros_like(leaf), jnp.ones((), jnp.float32))
+                    grad_leaves[i] = ScaledGrad(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal)
                 else:
                     grad_leaves[i] = ScaledGrad(jnp.asarray(ct[0]).astype(leaf.dtype),
-                                                jnp.asarray(ct[1], jnp.float32))
+                                                jnp.asarray(ct[1], jnp.float32), signal)
             elif _is_array(leaf) and not _is_float(jnp.result_type(leaf)):
                 grad_leaves[i] = np.zeros(np.shape(leaf), jax.dtypes.float0)
         grads_args, _ = jax.tree_util.tree_unflatten(treedef, grad_leaves)
@@ -182,7 +189,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         cache: ScaleCache | None = kwargs.pop(CACHE_KWARG, None)
-        backoff = _backoff(kwargs.pop(STATE_KWARG, None))
+        backoff = _state_levels(kwargs.pop(STATE_KWARG, None))
         n = len(args)
         for a in nums:
             if not -n <= a < n:
@@ -227,8 +234,11 @@ def grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False,
     return wrapped
 
 
-def _backoff(state: Any) -> jax.Array | None:
-    """``2^-h`` from the ``backoff`` exponent of the :class:`AdaLossState` inside ``state``."""
+def _state_levels(state: Any) -> tuple[jax.Array, dict[str, jax.Array]] | None:
+    """``(2^-h, {weight name: 2^k})`` from the ``backoff`` exponent and the per-leaf ``lift``
+    exponents of the :class:`AdaLossState` inside ``state`` (``None`` without one). A leaf is
+    named as the backward names weights (``a/b/kernel``), from its path in the tree the state
+    was initialised with (the parameters)."""
     if state is None:
         return None
     try:
@@ -240,7 +250,9 @@ def _backoff(state: Any) -> jax.Array | None:
     if h is None:
         raise TypeError(f"{STATE_KWARG}= must be a pytree holding one jax_adaloss.adaloss() state "
                         f"(e.g. the optimizer state), got {type(state).__name__}{why}")
-    return solver.backoff_factor(jnp.asarray(h), jnp)
+    lifts = jax.tree_util.tree_flatten_with_path(optax.tree.get(state, "lift"))[0]
+    return (solver.backoff_factor(jnp.asarray(h), jnp),
+            {_leaf_name(0, path, False): solver.lift_factor(jnp.asarray(k), jnp) for path, k in lifts})
 
 
 def _as_diff_leaf(leaf: Any, path: Any, allow_int: bool) -> jax.Array:

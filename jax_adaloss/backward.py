@@ -17,7 +17,10 @@ per equation, so the reverse sweep is ours and knows, for every
   gathers, ``custom_jvp``/``custom_vjp`` functions, ``scan``/``while``/``cond``
   as one opaque block) is linear in its cotangent and passes the scale through;
 - contributions to one value that carry different scales (residual stream,
-  q/k/v fan-out, tied weights) are merged by :func:`adaloss.solver.merge_scale`.
+  q/k/v fan-out, tied weights) are merged by :func:`adaloss.solver.merge_scale`;
+- with ``config.underflow_feedback`` each layer counts the fraction of its incoming
+  cotangent below u_min and reports it to the layer decisions that set the scale it
+  carries (through merges); the optax state's per-weight lift answers on the next step.
 """
 
 from __future__ import annotations
@@ -284,9 +287,16 @@ class _Sweep:
 
     def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
                  capture: bool = False, adaptive: bool = True, fp32: bool = False,
-                 backoff: Any = None) -> None:
+                 backoff: Any = None, lift: Any = None) -> None:
         self.tape, self.config, self.fp32 = tape, config, fp32
         self.backoff = backoff  # 2^-h (fp32) from the back-off state, or None
+        self.lift = lift or {}  # weight name -> 2^k (fp32) from the lift state
+        # id(scale) -> (scale, the layer decisions that set it): a decision's scale passes
+        # through ops unchanged (the same object) and is merged into new ones
+        self.deciders: dict[int, tuple[Any, frozenset[str]]] = {}
+        # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
+        self.fractions: dict[str, list[Any]] = defaultdict(list)
+        self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
         self.capture, self.adaptive = capture, adaptive
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
@@ -317,7 +327,23 @@ class _Sweep:
         dtype = jnp.result_type(*[p[0] for p in parts])
         absmax = [jnp.max(jnp.abs(p[0])).astype(_F32) for p in parts]
         target = solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp)
+        self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
         return _sum([_rescale(ct, target / s) for ct, s in parts]), target
+
+    def _lift_of(self, decision: str) -> Any:
+        """``2^k`` of the decision's weight (``argN/…`` names match unprefixed state leaves)."""
+        w = _weight_of(decision)
+        got = self.lift.get(w)
+        if got is None and w.startswith("arg") and "/" in w:
+            got = self.lift.get(w.split("/", 1)[1])
+        return got
+
+    def _decided(self, scale: Any, names: frozenset[str]) -> None:
+        self.deciders[id(scale)] = (scale, names)
+
+    def _decided_by(self, scale: Any) -> frozenset[str]:
+        got = self.deciders.get(id(scale))
+        return got[1] if got is not None and got[0] is scale else frozenset()
 
     def take(self, slot: int) -> tuple[Any, Any] | None:
         parts = self.cts.pop(slot, None)
@@ -387,21 +413,29 @@ class _Sweep:
         def fresh() -> tuple[Any, Any]:
             ws = None if weight is None else solver.tensor_stats(weight, jnp)
             sigma = solver.model_sigma(cfg, solver.tensor_stats(g, jnp), ws, node.fan_in, jnp)
-            return solver.model_scale(cfg, sigma, jnp, self.backoff), sigma
+            return solver.model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
 
         s_model, sigma = self._statistical(node.name, fresh)
         g_ext = solver.extrema(g, jnp)  # the caps use current statistics on every call
+        behind = self._decided_by(incoming)
+        if cfg.underflow_feedback:
+            frac = solver.subnormal_fraction(g, cfg, jnp, solver.absmax(g_ext, jnp))
+            for name in behind:
+                self.fractions[name].append(frac)
         w_ext = None if weight is None else solver.extrema(weight, jnp)
         d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
                                cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
         outgoing = incoming * d.scale
+        self._decided(outgoing, frozenset({node.name}))
+        self.limited[node.name] = d.unrounded < d.model_scale
         act_ct = node.vjp([_rescale(g, d.scale)])[node.act]
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if node.wgt >= 0:
             w_ct = self._weight_grad(node, g)
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
         pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-        self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp))
+        held = _any([self.limited[n] for n in sorted(behind)])
+        self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
 
     def _weight_grad(self, node: _Node, g: Any) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
@@ -432,17 +466,40 @@ class _Sweep:
         self._report(node, d, incoming, outgoing, pred, ls.absmax)
 
     def _report(self, node: _Node, d: solver.LayerScale, incoming: Any, outgoing: Any,
-                pred: Any, absmax: Any) -> None:
+                pred: Any, absmax: Any, held: Any = False) -> None:
         self.layers[node.name] = LayerReport(
             scale=d.scale, model_scale=d.model_scale, sigma=d.sigma,
             incoming_scale=incoming, outgoing_scale=outgoing, predicted_underflow=pred,
             grad_absmax=absmax, fan_in=jnp.asarray(node.fan_in, jnp.int32),
-            unrounded_scale=d.unrounded)
+            unrounded_scale=d.unrounded, incoming_held=jnp.asarray(held))
+
+    def underflow_signals(self) -> dict[str, Any]:
+        """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
+        largest over a weight's uses), for the lift of :func:`jax_adaloss.adaloss`."""
+        out: dict[str, Any] = {}
+        for name, fracs in self.fractions.items():
+            r = solver.underflow_ratio(fracs, self.limited[name], self.config, jnp)
+            w = _weight_of(name)
+            out[w] = r if w not in out else jnp.maximum(out[w], r)
+        return out
 
     def report(self) -> BackwardReport:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
         return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
                               self.tape.coverage())
+
+
+def _any(flags: list[Any]) -> Any:
+    """Logical or of traced booleans (``False`` for none)."""
+    out: Any = False
+    for f in flags:
+        out = out | f
+    return out
+
+
+def _weight_of(decision: str) -> str:
+    """The weight a layer decision is named after (``w@1``, a second use of ``w``: ``w``)."""
+    return decision.split("@", 1)[0]
 
 
 def _sum(xs: list[Any]) -> Any:
@@ -480,8 +537,8 @@ def _zero_ct(value: Any) -> Any:
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Sequence[bool],
                     origins: Sequence[str | None], config: AdaLossConfig,
                     cache: ScaleCache | None, capture: bool = False, adaptive: bool = True,
-                    fp32: bool = False, backoff: Any = None
-                    ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport]:
+                    fp32: bool = False, backoff: Any = None, lift: dict[str, Any] | None = None
+                    ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any]]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
     ``diff[i]``: flat argument ``i`` is differentiated; ``origins[i]``: its weight name
@@ -490,9 +547,11 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     incoming cotangent in the report; ``adaptive=False`` applies no per-layer scale
     (one global scale: ``init_scale``); with ``fp32=True`` too, every cotangent is computed
     in fp32 (the 16-bit forward's exact gradient, a reference for measurements). ``backoff``
-    (``2^-h``, fp32, or None) lowers every decision's target range. Returns the outputs,
-    ``(cotangent, scale)`` (or ``None``: not differentiated, or unused) per flat argument,
-    and the report.
+    (``2^-h``, fp32, or None) lowers every decision's target range; ``lift`` (weight name ->
+    ``2^k``) raises the statistical scale of that weight's layer decisions. Returns the
+    outputs, ``(cotangent, scale)`` (or ``None``: not differentiated, or unused) per flat
+    argument, the report, and per weight the underflow ratio its decisions left
+    (:meth:`_Sweep.underflow_signals`; empty without ``config.underflow_feedback``).
     """
     tape = _Tape(config)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
@@ -503,10 +562,10 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
         tape.warn_coverage(f"weight leaves under {', '.join(names)}" if names else "no weight leaves")
     outs = [tape.values[s] for s in out_slots]
     sweep = _Sweep(tape, config, cache, capture, adaptive, fp32=fp32 and not adaptive,
-                   backoff=backoff)
+                   backoff=backoff, lift=lift)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))
     sweep.run(out_slots[0], seed, seed_scale)
     grads = [sweep.take(s) if d else None for s, d in zip(in_slots, diff)]
-    return outs, grads, sweep.report()
+    return outs, grads, sweep.report(), sweep.underflow_signals()

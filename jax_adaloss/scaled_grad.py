@@ -14,10 +14,16 @@ class ScaledGrad(NamedTuple):
     Attributes:
       value: the scaled gradient, in the dtype of the parameter it belongs to.
       scale: fp32 scalar, the product of every scale applied downstream of it.
+      underflow: fp32 scalar or ``None``: the largest fraction of non-zero entries below
+        ``u_min`` among the cotangents entering the layers of the backward that produced it
+        (:func:`adaloss.solver.subnormal_fraction`), divided by ``T``; :func:`jax_adaloss.adaloss`
+        feeds it to its lift (``AdaLossConfig.underflow_feedback``). The same on every leaf of
+        one backward.
     """
 
     value: jax.Array
     scale: jax.Array
+    underflow: jax.Array | None = None
 
     def unscale(self, dtype: Any = None) -> jax.Array:
         """``value / scale`` computed in fp32 (or wider if ``value`` is wider), cast to ``dtype``."""

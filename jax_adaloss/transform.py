@@ -44,6 +44,12 @@ class AdaLossState(NamedTuple):
         and its decisions aim ``2^-h`` lower in the format's range, so that an overflow
         cannot recur step after step.
       backoff_good: finite steps since ``backoff`` last changed (int32).
+      lift: per parameter leaf, the lift exponent ``k`` (int32) of the layer that leaf is the
+        weight of (``AdaLossConfig.underflow_feedback``): raised by one after a step whose
+        gradient reports (``ScaledGrad.underflow``) that the cotangents the layer scaled
+        reached the next layers with more than ``T/2`` of their entries below ``u_min``,
+        lowered by one below ``T/32`` (:func:`adaloss.solver.lift_update`); the backward given this
+        state multiplies that layer's statistical scale by ``2^k``.
       inner_state: state of ``inner`` (``optax.EmptyState()`` without one).
     """
 
@@ -54,6 +60,7 @@ class AdaLossState(NamedTuple):
     scales: Any
     backoff: jax.Array
     backoff_good: jax.Array
+    lift: jax.Array
     inner_state: Any
 
 
@@ -116,7 +123,7 @@ def adaloss(config: AdaLossConfig | None = None,
             count=zero, skipped=zero, consecutive_skipped=zero,
             last_finite=jnp.asarray(True),
             scales=jax.tree.map(_one, params),
-            backoff=zero, backoff_good=zero,
+            backoff=zero, backoff_good=zero, lift=jax.tree.map(lambda _: zero, params),
             inner_state=wrapped.init(params) if wrapped is not None else optax.EmptyState(),
         )
 
@@ -135,13 +142,19 @@ def adaloss(config: AdaLossConfig | None = None,
             new_updates = unscaled
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         backoff, good = solver.backoff_update(config, state.backoff, state.backoff_good, finite, jnp)
+
+        def lift_one(g: Any, k: jax.Array) -> jax.Array:
+            if not isinstance(g, ScaledGrad) or g.underflow is None:
+                return k
+            return solver.lift_update(config, k, g.underflow, finite, jnp)
+        lift = jax.tree.map(lift_one, updates, state.lift, is_leaf=is_scaled_grad)
         return new_updates, AdaLossState(
             count=optax.safe_increment(state.count),
             skipped=state.skipped + skipped,
             consecutive_skipped=jnp.where(finite, 0, state.consecutive_skipped + 1),
             last_finite=finite,
             scales=scales,
-            backoff=backoff, backoff_good=good,
+            backoff=backoff, backoff_good=good, lift=lift,
             inner_state=inner_state,
         )
 

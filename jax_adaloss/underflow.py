@@ -31,17 +31,20 @@ def _jitted(fun: Callable[..., Any], argnums: int | tuple[int, ...], config: Ada
 
 
 def layer_cotangents(fun: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0,
-                     loss_scale: float | None = None, config: AdaLossConfig | None = None
-                     ) -> dict[str, tuple[jax.Array, jax.Array]]:
+                     loss_scale: float | None = None, config: AdaLossConfig | None = None,
+                     state: Any = None) -> dict[str, tuple[jax.Array, jax.Array]]:
     """``{layer name: (incoming cotangent as carried, the scale it carries)}`` in ``fun``'s
     backward (casts included, named ``cast:k``).
 
     ``loss_scale=None``: adaptive per-layer scaling with ``config``; a number: one
-    global loss scale (the seed of the backward), no per-layer scales.
+    global loss scale (the seed of the backward), no per-layer scales. ``state``: a training
+    run's optimizer state holding :func:`jax_adaloss.adaloss`'s, whose back-off and lifts the
+    adaptive backward then applies (as the run's next step would).
     """
     config = measurement_config(config, loss_scale)
+    kwargs = {} if state is None or loss_scale is not None else {"adaloss_state": state}
     _, report = _jitted(fun, argnums if isinstance(argnums, int) else tuple(argnums), config,
-                        loss_scale is None)(*args)
+                        loss_scale is None)(*args, **kwargs)
     return {k: (v, report.cotangent_scales[k]) for k, v in report.cotangents.items()}
 
 

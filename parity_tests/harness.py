@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import torch
 from twin_models import PAIRS, flax_xent, load_flax, to_torch_layout, torch_name, torch_xent
 
@@ -27,6 +28,7 @@ import jax_adaloss
 import torch_bridge
 from adaloss.config import AdaLossConfig
 from adaloss_zoo.metrics import relative_error
+from jax_adaloss.scaled_grad import is_scaled_grad
 from jax_adaloss.underflow import compare_cotangents as compare_jax
 from torch_bridge.underflow import compare_cotangents as compare_torch
 
@@ -43,6 +45,8 @@ class StepRecord:
     loss: float
     order: list[str] = dataclasses.field(default_factory=list)  # layers in forward order
     grads: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # unscaled, torch layout
+    # per weight: the underflow ratio its layer decisions reported (underflow_feedback)
+    signal: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _data(name: str, step: int, seed: int) -> tuple[Any, Any, np.ndarray]:
@@ -71,6 +75,12 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
     vg16 = jax.jit(jax_adaloss.value_and_grad(functools.partial(loss, dt=jnp.float16), config=config,
                                               return_report=True, capture_cotangents=True))
     loss32 = functools.partial(loss, dt=jnp.float32)
+    # the optax state carries the back-off and the lifts (underflow_feedback). The lifts come
+    # from counted fractions, where one entry of these small tensors is ~T: the frameworks'
+    # fp16 kernels, rounding one entry apart, would move them apart. So torch runs each step
+    # at JAX's lifts, and the counted ratios are compared on their own (signal_tol).
+    tx = jax_adaloss.adaloss(config)
+    state = tx.init(params)
     model = PAIRS[name][1]()
     scaler = torch_bridge.AdaLossScaler(model, config, capture=True)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -78,7 +88,13 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
     for step in range(steps):
         x, xt, y = _data(name, step, seed)
         # JAX
-        (value, grads), rep = vg16(params, x, y)
+        lifts = {torch_name(_key(path)): int(k) for path, k in
+                 jax.tree_util.tree_flatten_with_path(optax.tree.get(state, "lift"))[0]}
+        (value, grads), rep = vg16(params, x, y, adaloss_state=state)
+        signal = {torch_name(_key(path)): float(g.underflow) for path, g in
+                  jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_scaled_grad)[0]
+                  if isinstance(g, jax_adaloss.ScaledGrad) and g.underflow is not None}
+        _, state = tx.update(grads, state, params)
         ref = jax_adaloss.layer_cotangents(loss32, params, x, y, loss_scale=1.0, config=config)
         plain = jax_adaloss.unscale_tree(grads)
         finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(plain))
@@ -88,7 +104,8 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
             scale={torch_name(k): float(r.scale) for k, r in rep.layers.items()},
             unrounded={torch_name(k): float(r.unrounded_scale) for k, r in rep.layers.items()},
             incoming={torch_name(k): float(r.incoming_scale) for k, r in rep.layers.items()},
-            underflow=under, skipped=not finite, loss=float(value), grads=to_torch_layout(plain)))
+            underflow=under, skipped=not finite, loss=float(value), grads=to_torch_layout(plain),
+            signal=signal))
         # torch, at the same weights
         load_flax(model, params)
         yt = torch.from_numpy(y.astype(np.int64))
@@ -98,7 +115,9 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
         with torch.autocast("cpu", dtype=torch.float16):
             tvalue = loss_factor * torch_xent(model(xt), yt)
         skipped_before = scaler.skipped_steps
+        scaler._lift = {k: torch.tensor(v, dtype=torch.int32) for k, v in lifts.items()}
         scaler.scale(tvalue).backward()
+        tsignal = {k: float(v) for k, v in scaler._last.underflow.items()}
         reps = scaler.layer_reports()
         tlow = scaler.captured_cotangents()
         scaler.unscale_(opt)
@@ -111,10 +130,16 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
             unrounded={k: float(r.unrounded_scale) for k, r in reps.items()},
             incoming={k: float(r.incoming_scale) for k, r in reps.items()},
             underflow={k: u.measured for k, u in compare_torch(tlow, tref, config).items()},
-            skipped=scaler.skipped_steps > skipped_before, loss=float(tvalue.detach()), grads=tgrads))
+            skipped=scaler.skipped_steps > skipped_before, loss=float(tvalue.detach()), grads=tgrads,
+            signal=tsignal))
         if finite:
             params = jax.tree_util.tree_map(lambda p, g: p - lr * g.astype(p.dtype), params, plain)
     return jax_records, torch_records
+
+
+def _key(path: Any) -> str:
+    """A JAX leaf path as the backward names weights (``params/head/kernel``)."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def near_power_of_two(value: float, rel: float) -> bool:
@@ -135,13 +160,15 @@ class Comparison:
 
 def compare(jx: list[StepRecord], tr: list[StepRecord], rel: float = 1e-3,
             underflow_tol: float = 1e-3, mean_underflow_tol: float = 1.0,
-            grad_tol: float = float("inf")) -> Comparison:
+            grad_tol: float = float("inf"), signal_tol: float = float("inf")) -> Comparison:
     """Scales bitwise; a difference is explained only when the decision lies within ``rel`` of
     a power-of-two boundary in either framework, or when the incoming scale already differs
     because of such a decision earlier in the same backward. Measured underflow per layer
     and step within ``underflow_tol``, and its mean over the steps within
     ``mean_underflow_tol``. Unscaled gradients of steps neither framework skipped, with no
-    boundary case, within ``grad_tol`` (relative)."""
+    boundary case, within ``grad_tol`` (relative). The counted underflow ratios of the
+    feedback, per weight and step, within ``signal_tol`` (in units of T); both frameworks must
+    report the same weights."""
     out = Comparison([], [], [])
     layers = set.intersection(*(set(r.underflow) for r in jx + tr)) if jx else set()
     for k in sorted(layers):
@@ -170,6 +197,13 @@ def compare(jx: list[StepRecord], tr: list[StepRecord], rel: float = 1e-3,
                 affected.add(k)
             else:
                 out.mismatches.append(where)
+        if set(a.signal) != set(b.signal):
+            out.underflow_diffs.append(f"step {step}: feedback reported for different weights: "
+                                       f"{sorted(set(a.signal) ^ set(b.signal))}")
+        for k in sorted(set(a.signal) & set(b.signal) - affected):
+            if abs(a.signal[k] - b.signal[k]) > signal_tol:
+                out.underflow_diffs.append(f"step {step} {k}: underflow ratio jax {a.signal[k]:.3g}, "
+                                           f"torch {b.signal[k]:.3g}")
         for k in set(a.underflow) & set(b.underflow) - affected:
             if abs(a.underflow[k] - b.underflow[k]) > underflow_tol:
                 out.underflow_diffs.append(f"step {step} {k}: jax {a.underflow[k]:.2e}, "

@@ -123,6 +123,10 @@ def test_threshold_summary_separates_held_back_scales_from_model_misses():
     # b@0: held back (predicted 0.4); a@50 and c@0: misses (predicted <= T); 2 of 8 decisions limited
     assert "| case | 6 | 3 | 1 | 2 | 2 / 8 |" in page
     assert "`a`, `c`" in page
+    # with the layers' held flags recorded: held back where a capped decision set the scale
+    record["runs"]["adaloss-product"]["held"] = {"0": ["c"], "50": []}
+    page = "\n".join(gallery._threshold_summary({"case": record}))
+    assert "| case | 6 | 3 | 1 | 2 | 2 / 8 |" in page and "`a`, `b`" in page
     detail = "\n".join(gallery._against_threshold(record))
     # measured mean and max, predicted mean, carried mean (none recorded for c), steps above T
     assert "| b | 2.50e-01 | 5.00e-01 | 2.00e-01 | 4.00e-01 | 1 / 2 |" in detail

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -50,13 +51,16 @@ class _Decision(NamedTuple):
     outgoing: Any
     absmax: Any
     fan_in: int
+    held: Any = False  # a cap or bound set a decision behind ``incoming`` below its statistical scale
 
     def to_torch(self, sm: ScalarMath) -> _Decision:
         conv = sm.to_torch
         spread = (type(self.spread)(*map(conv, self.spread)) if isinstance(self.spread, tuple)
                   else conv(self.spread))
         return _Decision(self.kind, solver.LayerScale(*map(conv, self.d)), spread, conv(self.incoming),
-                         conv(self.outgoing), conv(self.absmax), self.fan_in)
+                         conv(self.outgoing), conv(self.absmax), self.fan_in,
+                         torch.as_tensor(bool(self.held)) if not isinstance(self.held, torch.Tensor)
+                         else self.held)
 
     def report(self, config: AdaLossConfig) -> LayerReport:
         if self.kind == "cast":
@@ -69,7 +73,7 @@ class _Decision(NamedTuple):
                            incoming_scale=self.incoming, outgoing_scale=self.outgoing,
                            predicted_underflow=pred, grad_absmax=self.absmax,
                            fan_in=torch.tensor(self.fan_in, dtype=torch.int32),
-                           unrounded_scale=self.d.unrounded)
+                           unrounded_scale=self.d.unrounded, incoming_held=self.held)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,9 @@ class BackwardRecord:
     model_scales: dict[str, torch.Tensor]
     spreads: dict[str, Any]  # σ or LogStats, of tensors
     math: ScalarMath = ON_TENSORS
+    # per weight: adaloss.solver.underflow_ratio of its layer decisions (fp32 0-d tensors;
+    # empty without config.underflow_feedback), for the scaler's lift
+    underflow: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def reports(self) -> dict[str, LayerReport]:
         return {n: d.to_torch(self.math).report(self.config) for n, d in self.decisions.items()}
@@ -163,6 +170,11 @@ def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
 
 
+def weight_of(decision: str) -> str:
+    """The parameter a layer decision is named after (``w@1``, a second use of ``w``: ``w``)."""
+    return decision.split("@", 1)[0]
+
+
 class ScaledBackward:
     """Hooks on every node of one planned graph; state of the pass in progress.
 
@@ -189,10 +201,12 @@ class ScaledBackward:
                  host_math: bool = True, adaptive: bool = True,
                  hidden: Sequence[torch.Tensor] = (),
                  region_scale: Callable[[str, torch.device], torch.Tensor] | None = None,
-                 backoff: torch.Tensor | None = None) -> None:
+                 backoff: torch.Tensor | None = None,
+                 lift: dict[str, torch.Tensor] | None = None) -> None:
         self.plan, self.config = plan, config
         self.backoff = backoff  # 2^-h from the scaler's back-off state (fp32 0-d), or None
         self.bo: Any = None  # the same in the pass's scalar namespace
+        self.lift = lift or {}  # weight name -> 2^k from the scaler's lift state (fp32 0-d)
         self.region_scale = region_scale or (lambda name, device: torch.ones((), device=device))
         self.on_leaf, self.on_done = on_leaf, on_done
         self.recompute = recompute
@@ -266,6 +280,11 @@ class ScaledBackward:
         self.captured_scales: dict[str, Any] = {}
         self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.regions: list[Any] = []  # outgoing scales of the opaque regions being run
+        # scale symbol -> the layer decisions that set it (merges: those of their parts)
+        self.deciders: dict[int, frozenset[str]] = {}
+        # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
+        self.fractions: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -277,7 +296,17 @@ class ScaledBackward:
         return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
                               dict(self.leaf_scales), dict(self.captured),
                               {k: conv(v) for k, v in self.captured_scales.items()},
-                              {k: conv(v) for k, v in self.model_scales.items()}, spreads, self.sm)
+                              {k: conv(v) for k, v in self.model_scales.items()}, spreads, self.sm,
+                              self._underflow_signals())
+
+    def _underflow_signals(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, fracs in self.fractions.items():
+            limited = torch.as_tensor(self.limited[name], device=fracs[0].device)
+            r = solver.underflow_ratio(fracs, limited, self.config, xp)
+            w = weight_of(name)
+            out[w] = r if w not in out else torch.maximum(out[w], r)
+        return out
 
     # -- hooks --------------------------------------------------------------------
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -363,12 +392,23 @@ class ScaledBackward:
         target = solver.merge_scale(scales, absmax, limit, sx)
         return [self._rescale(t, target / s) for t, s in parts], target
 
+    def _merged(self, sym: int, parts: list[int]) -> None:
+        """A merged scale was set by the decisions behind its parts."""
+        self.deciders[sym] = frozenset().union(*(self.deciders.get(s, frozenset()) for s in parts))
+
+    def _lift_of(self, decision: str, g: torch.Tensor) -> Any:
+        """``2^k`` of the decision's weight, in the pass's scalar namespace (None: no lift)."""
+        lift = self.lift.get(weight_of(decision))
+        return None if lift is None else self.sm.to_xp(lift.to(g.device))
+
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
         for k, msym in p.merges.items():
-            parts = [(t, self.values[s]) for t, s in self.stash.pop((p.index, k), [])]
+            stashed = self.stash.pop((p.index, k), [])
+            parts = [(t, self.values[s]) for t, s in stashed]
             if not parts:
                 continue
             rescaled, self.values[msym] = self._merge(parts, p.out_dtypes[k])
+            self._merged(msym, [s for _, s in stashed])
             total = rescaled[0]
             for t in rescaled[1:]:
                 total = total + t
@@ -379,6 +419,7 @@ class ScaledBackward:
                 return
             rescaled, self.values[p.sym] = self._merge(
                 [(go[k], self.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]])
+            self._merged(p.sym, [p.out_syms[k] for k in present])
             for k, t in zip(present, rescaled):
                 go[k] = t
 
@@ -407,18 +448,28 @@ class ScaledBackward:
             ws = None if weight is None else self._stats(tensor_stats(weight, with_mean=False))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx,
                                    cached_model_scale=None if cached is None else cached[0],
-                                   backoff=self.bo, extra_cap=wcap)
+                                   backoff=self.bo, extra_cap=wcap, lift=self._lift_of(p.name, g))
         else:  # only the overflow caps need current statistics
             gs = self._stats(_min_max(g))
             ws = None if weight is None else self._stats(_min_max(weight))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx, cached_model_scale=cached[0],
                                    cached_sigma=cached[1], backoff=self.bo, extra_cap=wcap)
+        behind = self.deciders.get(p.sym, frozenset())
+        if cfg.underflow_feedback:
+            frac = solver.subnormal_fraction(g, cfg, xp, g.abs().amax().to(_F32))
+            for name in behind:
+                self.fractions[name].append(frac)
+        self.deciders[p.send] = frozenset({p.name})
+        self.limited[p.name] = d.unrounded < d.model_scale
+        held: Any = False
+        for name in sorted(behind):
+            held = held | self.limited[name]
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         go[0] = self._rescale(g, d.scale)
         self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing,
-                                           solver.absmax(gs, sx), p.fan_in)
+                                           solver.absmax(gs, sx), p.fan_in, held)
 
     def _cast(self, p: NodePlan, go: list[Any]) -> None:
         present = [k for k in range(len(go)) if go[k] is not None]

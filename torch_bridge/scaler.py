@@ -97,6 +97,10 @@ class AdaLossScaler:
         # back-off exponent h and its count of finite steps (int32, on the loss's device)
         self._backoff: tuple[torch.Tensor, torch.Tensor] | None = None
         self._backoff_loaded = (0, 0)
+        # per weight: lift exponent k (int32, on the loss's device), and the largest underflow
+        # ratio the backwards since the last update() reported
+        self._lift: dict[str, torch.Tensor] = {}
+        self._ratio: dict[str, torch.Tensor] = {}
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -150,7 +154,7 @@ class AdaLossScaler:
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
-                            backoff=solver.backoff_factor(self._backoff_state(outputs.device)[0], xp))
+                            **self.levels(outputs.device))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -162,6 +166,26 @@ class AdaLossScaler:
             self._backoff = tuple(torch.full((), v, dtype=torch.int32, device=device)
                                   for v in self._backoff_loaded)  # type: ignore[assignment]
         return self._backoff  # type: ignore[return-value]
+
+    def levels(self, device: torch.device | None = None) -> dict[str, Any]:
+        """``{"backoff": 2^-h, "lift": {weight name: 2^k}}``: the fp32 factors the next backward
+        applies (``device``: where the back-off state is created on first use; default: the
+        model's)."""
+        if device is None:
+            device = next(self._model.parameters()).device
+        return {"backoff": solver.backoff_factor(self._backoff_state(device)[0], xp),
+                "lift": {k: solver.lift_factor(v, xp) for k, v in self._lift.items()}}
+
+    @property
+    def lift(self) -> dict[str, int]:
+        """Per weight, its layer's lift exponent ``k`` where not 0 (reads the device: for
+        logging, not the training step).
+
+        ``config.underflow_feedback``: raised by one after a step in which the cotangents the
+        layer scaled reached the next layers with more than ``T/2`` of their entries below
+        ``u_min`` (counted), lowered by one below ``T/32``; the layer's statistical scale is
+        multiplied by ``2^k``."""
+        return {k: int(v) for k, v in self._lift.items() if int(v)}
 
     @property
     def backoff(self) -> int:
@@ -213,6 +237,9 @@ class AdaLossScaler:
         self._pending.update(record.leaf_scales)
         self._model_scales.update(record.model_scales)
         self._spreads.update(record.spreads)
+        for name, r in record.underflow.items():
+            old = self._ratio.get(name)
+            self._ratio[name] = r if old is None else torch.maximum(old, r)
 
     # -- unscale / step / update ---------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -302,6 +329,13 @@ class AdaLossScaler:
             new_h, new_good = solver.backoff_update(self._config, h, good, finite, xp)
             h.copy_(new_h)
             good.copy_(new_good)
+        for name, ratio in self._ratio.items():
+            k = self._lift.get(name)
+            if k is None:
+                k = self._lift[name] = torch.zeros((), dtype=torch.int32, device=ratio.device)
+            finite = found_total(found_inf, k.device) == 0
+            k.copy_(solver.lift_update(self._config, k, ratio.to(k.device), finite, xp))
+        self._ratio = {}
         self._per_optimizer.clear()
         self._pending.clear()
 
@@ -339,7 +373,8 @@ class AdaLossScaler:
                 "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()},
                 "region_scales": self._regions.state_dict(),
                 "backoff": (self.backoff, int(self._backoff[1]) if self._backoff is not None
-                            else self._backoff_loaded[1])}
+                            else self._backoff_loaded[1]),
+                "lift": {k: int(v) for k, v in self._lift.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._enabled:
@@ -347,8 +382,9 @@ class AdaLossScaler:
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a "
                                "disabled instance of AdaLossScaler.")
-        saved = state_dict["config"]
         mine = dataclasses.asdict(self._config)
+        # a field added since the checkpoint was written compares at its default
+        saved = {**dataclasses.asdict(AdaLossConfig()), **state_dict["config"]}
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
             raise ValueError("state_dict was saved with a different AdaLossConfig "
@@ -359,6 +395,9 @@ class AdaLossScaler:
         self._regions.load_state_dict(state_dict.get("region_scales", {}))
         self._backoff_loaded = tuple(int(v) for v in state_dict.get("backoff", (0, 0)))  # type: ignore[assignment]
         self._backoff = None
+        self._lift = {k: torch.tensor(int(v), dtype=torch.int32)
+                      for k, v in state_dict.get("lift", {}).items()}
+        self._ratio = {}
 
 
 def _warn_coverage(plan: ScalePlan) -> None:

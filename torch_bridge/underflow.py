@@ -18,18 +18,25 @@ from adaloss.report import LayerUnderflow, compare_layers, measurement_config
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, tensor_stats
+from torch_bridge.scaler import AdaLossScaler
 
 
 def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], *,
-                     loss_scale: float | None = None, config: AdaLossConfig | None = None
+                     loss_scale: float | None = None, config: AdaLossConfig | None = None,
+                     scaler: AdaLossScaler | None = None
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{layer name: (incoming cotangent as carried, the scale it carries)}`` in
     ``loss_fn()``'s backward (casts included, named ``cast:k``).
 
     ``loss_scale=None``: adaptive per-layer scaling with ``config``; a number: one
-    global loss scale, no per-layer scales.
+    global loss scale, no per-layer scales. ``scaler``: the :class:`AdaLossScaler` of a
+    training run, whose config, back-off and lift the adaptive backward then uses (as the
+    run's next backward would); its state is not changed.
     """
+    if scaler is not None:
+        config = scaler.config
     config = measurement_config(config, loss_scale)
+    levels = {} if scaler is None or loss_scale is not None else scaler.levels()
     saved = {p: p.grad for p in model.parameters()}
     try:
         for p in saved:
@@ -38,7 +45,7 @@ def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]
         plan = ScalePlan(loss.grad_fn, parameter_names(model), cast_rule=config.cast_rule)
         records: list[BackwardRecord] = []
         sb = ScaledBackward(plan, config, lambda p, g, s, old: (g, s), records.append, capture=True,
-                            adaptive=loss_scale is None)
+                            adaptive=loss_scale is None, **levels)
         loss.backward()
         del sb
         rec = records[0]
