@@ -247,8 +247,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     t = Trainer(method, cfg, make_model)
     eval_loss = jax.jit(lambda p, x, y: t.loss(p, x, y, _ONE))
     capture_adaptive = functools.partial(jax_adaloss.layer_cotangents, t.loss, config=t.ada_cfg)
-    capture_global = functools.partial(jax_adaloss.layer_cotangents, t.loss, loss_scale=1.0,
-                                       config=cfg.adaloss)
+    capture_global = functools.partial(jax_adaloss.layer_cotangents, t.loss, config=cfg.adaloss)
     capture_ref = functools.partial(jax_adaloss.layer_cotangents, t.ref_loss, loss_scale=1.0,
                                     config=cfg.adaloss)
 
@@ -259,7 +258,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             if t.ada_cfg is not None:  # with the run's back-off and lifts
                 low = capture_adaptive(t.params, x, y, _ONE, state=t.state)
             else:
-                low = capture_global(t.params, x, y, t.global_scale())
+                # the global scale seeds the backward, so that the cotangents carry it
+                low = capture_global(t.params, x, y, _ONE, loss_scale=float(t.global_scale()))
             got = compare_cotangents(low, capture_ref(t.params, x, y, _ONE), cfg.adaloss)
             res.add_underflow(i, got)
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ from jax.extend import core as jcore
 
 from adaloss import solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
-from adaloss.report import Coverage, warn_coverage
+from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.weight_grads import dot_weight_grad, wide_vjp, widenable
 
@@ -297,6 +298,7 @@ class _Sweep:
         # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
         self.fractions: dict[str, list[Any]] = defaultdict(list)
         self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
+        self.unlifted: list[str] = []  # layer decisions whose weight the lift state lacks
         self.capture, self.adaptive = capture, adaptive
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
@@ -336,6 +338,8 @@ class _Sweep:
         got = self.lift.get(w)
         if got is None and w.startswith("arg") and "/" in w:
             got = self.lift.get(w.split("/", 1)[1])
+        if got is None and self.lift:
+            self.unlifted.append(w)
         return got
 
     def _decided(self, scale: Any, names: frozenset[str]) -> None:
@@ -567,5 +571,10 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))
     sweep.run(out_slots[0], seed, seed_scale)
+    if sweep.unlifted and config.underflow_feedback:
+        warnings.warn(f"adaptive loss scaling: the adaloss state holds no lift for "
+                      f"{sorted(set(sweep.unlifted))}: it was initialised with another tree than the "
+                      "differentiated weights (pass those to tx.init); their underflow feedback is off.",
+                      AdaLossCoverageWarning, stacklevel=3)
     grads = [sweep.take(s) if d else None for s, d in zip(in_slots, diff)]
     return outs, grads, sweep.report(), sweep.underflow_signals()

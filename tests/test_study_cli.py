@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from adaloss_study import cli
@@ -20,6 +21,10 @@ def test_study_runs_every_output(tmp_path, capsys):
     assert len(runs["fp32"]["train_loss"]) == 4 and runs["fp32"]["underflow"] == {}
     assert set(runs["fp16"]["underflow"]) == {"0", "2"}  # measured steps
     assert runs["dynamic"]["scales"]["0"]["global"] == 2.0**16
+    # the measurement sees the global scale: 2^16 leaves far less below u_min than none
+    under = {m: np.mean([v for step in runs[m]["underflow"].values() for v in step.values()])
+             for m in ("fp16", "dynamic")}
+    assert under["dynamic"] < 0.5 * under["fp16"]
     assert any(k.startswith("cast:") for k in runs["adaloss-product"]["scales"]["0"])
     limited = runs["adaloss-product"]["limited"]["0"]
     assert isinstance(limited, list) and set(limited) <= set(runs["adaloss-product"]["scales"]["0"])
@@ -68,6 +73,10 @@ def test_study_torch_framework(tmp_path, capsys):
     assert cli.main(argv) == 0
     runs = json.loads((out / "study.json").read_text())["runs"]
     assert runs["dynamic"]["scales"]["0"]["global"] == 2.0**16
+    # the measurement sees the global scale: 2^16 leaves far less below u_min than none
+    under = {m: np.mean([v for step in runs[m]["underflow"].values() for v in step.values()])
+             for m in ("fp16", "dynamic")}
+    assert under["dynamic"] < 0.5 * under["fp16"]
     assert runs["static"]["scales"]["0"]["global"] == 2.0**15
     assert "cast:0" in runs["adaloss-product"]["scales"]["0"]
     assert set(runs["adaloss-product"]["underflow"]) == {"0", "2"}

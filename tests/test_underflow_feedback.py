@@ -122,6 +122,15 @@ def test_jax_lift_raises_the_decision_before_the_gelu_until_its_consumer_is_with
         assert np.linalg.norm(got - ref[k]) <= 0.02 * np.linalg.norm(ref[k])
 
 
+def test_jax_a_state_initialised_with_other_weights_warns_that_feedback_is_off():
+    from adaloss.report import AdaLossCoverageWarning
+
+    x, p = _data()
+    other = jax_adaloss.adaloss().init({"something": jnp.zeros(3)})
+    with pytest.warns(AdaLossCoverageWarning, match="no lift for .*w2.*feedback is off"):
+        jax_adaloss.value_and_grad(_jax_loss)(p, x, adaloss_state=other)
+
+
 def test_jax_no_feedback_without_the_option_or_in_the_authors_preset():
     x, p = _data()
     for cfg in (AdaLossConfig(underflow_feedback=False), AdaLossConfig.authors_preset()):
