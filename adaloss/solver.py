@@ -29,6 +29,7 @@ with ``m = max|g|``. Fan-outs merge branches with :func:`merge_scale`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -333,11 +334,14 @@ def subnormal_fraction(x: Array, config: AdaLossConfig, xp: Any, absmax: Array |
     """Fraction of the non-zero entries of ``x`` (as carried) below ``u_min`` in magnitude, in
     fp32 (0 when all are zero): the underflow ``T`` bounds, counted. Zeros are left out, as
     they may be exact (ReLU, masks). With ``absmax`` (``max|x|``) given: 0 where ``x`` has no
-    room to double below ``u_max`` (a larger scale would overflow; no lift can help there)."""
-    a = xp.abs(_f32(x, xp))
-    nz = xp.sum(xp.astype(a > 0, xp.float32))
-    low = xp.sum(xp.astype((a > 0) & (a < config.underflow_limit), xp.float32))
-    frac = low / xp.maximum(nz, xp.ones_like(nz))
+    room to double below ``u_max`` (a larger scale would overflow; no lift can help there).
+
+    Two counts in ``x``'s own dtype (``u_min`` is a power of two, exact in every format):
+    the non-zero entries, and those below ``u_min``, zeros included."""
+    size = math.prod(x.shape)
+    nonzero = xp.count_nonzero(x)
+    below = xp.count_nonzero(xp.abs(x) < config.underflow_limit) - (size - nonzero)
+    frac = xp.astype(below, xp.float32) / xp.astype(xp.maximum(nonzero, xp.ones_like(nonzero)), xp.float32)
     if absmax is None:
         return frac
     return xp.where(absmax * 2.0 < config.overflow_limit, frac, xp.zeros_like(frac))

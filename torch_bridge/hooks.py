@@ -456,7 +456,7 @@ class ScaledBackward:
                                    cached_sigma=cached[1], backoff=self.bo, extra_cap=wcap)
         behind = self.deciders.get(p.sym, frozenset())
         if cfg.underflow_feedback:
-            frac = solver.subnormal_fraction(g, cfg, xp, g.abs().amax().to(_F32))
+            frac = solver.subnormal_fraction(g, cfg, xp, self.sm.to_torch(solver.absmax(gs, sx)))
             for name in behind:
                 self.fractions[name].append(frac)
         self.deciders[p.send] = frozenset({p.name})
