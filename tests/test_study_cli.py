@@ -67,9 +67,9 @@ def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
 
 def test_study_torch_framework(tmp_path, capsys):
     out = tmp_path / "torch"
-    argv = ["--framework", "torch", "--steps", "3", "--measure-every", "2", "--methods", "fp32", "static",
-            "dynamic", "adaloss-product", "--dim", "32", "--layers", "1", "--seq", "32", "--no-plots",
-            "--out", str(out)]
+    argv = ["--framework", "torch", "--steps", "3", "--measure-every", "2", "--methods", "fp32", "fp16",
+            "static", "dynamic", "adaloss-product", "--dim", "32", "--layers", "1", "--seq", "32",
+            "--no-plots", "--out", str(out)]
     assert cli.main(argv) == 0
     runs = json.loads((out / "study.json").read_text())["runs"]
     assert runs["dynamic"]["scales"]["0"]["global"] == 2.0**16
