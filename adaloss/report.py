@@ -47,6 +47,11 @@ class LayerReport(NamedTuple):
     incoming_held: Array = False
 
 
+def weight_of(decision: str) -> str:
+    """The weight a layer decision is named after: ``w@1``, a second use of ``w``, gives ``w``."""
+    return decision.split("@", 1)[0]
+
+
 class Coverage(NamedTuple):
     """Where per-layer scaling engaged in one backward.
 

@@ -39,7 +39,7 @@ from jax.extend import core as jcore
 
 from adaloss import solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
-from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage
+from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.weight_grads import dot_weight_grad, wide_vjp, widenable
 
@@ -334,7 +334,7 @@ class _Sweep:
 
     def _lift_of(self, decision: str) -> Any:
         """``2^k`` of the decision's weight (``argN/…`` names match unprefixed state leaves)."""
-        w = _weight_of(decision)
+        w = weight_of(decision)
         got = self.lift.get(w)
         if got is None and w.startswith("arg") and "/" in w:
             got = self.lift.get(w.split("/", 1)[1])
@@ -483,7 +483,7 @@ class _Sweep:
         out: dict[str, Any] = {}
         for name, fracs in self.fractions.items():
             r = solver.underflow_ratio(fracs, self.limited[name], self.config, jnp)
-            w = _weight_of(name)
+            w = weight_of(name)
             out[w] = r if w not in out else jnp.maximum(out[w], r)
         return out
 
@@ -499,11 +499,6 @@ def _any(flags: list[Any]) -> Any:
     for f in flags:
         out = out | f
     return out
-
-
-def _weight_of(decision: str) -> str:
-    """The weight a layer decision is named after (``w@1``, a second use of ``w``: ``w``)."""
-    return decision.split("@", 1)[0]
 
 
 def _sum(xs: list[Any]) -> Any:

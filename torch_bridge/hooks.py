@@ -31,7 +31,7 @@ import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import LayerReport
+from adaloss.report import LayerReport, weight_of
 from torch_bridge._xp import ON_TENSORS, ScalarMath, scalar_math, xp
 from torch_bridge.graph import NodePlan, ScalePlan
 
@@ -168,11 +168,6 @@ def _hidden_hook(me: weakref.ref[ScaledBackward], k: int) -> Callable[[torch.Ten
 def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats."""
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
-
-
-def weight_of(decision: str) -> str:
-    """The parameter a layer decision is named after (``w@1``, a second use of ``w``: ``w``)."""
-    return decision.split("@", 1)[0]
 
 
 class ScaledBackward:
