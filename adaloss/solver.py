@@ -292,8 +292,12 @@ MAX_BACKOFF = 24
 
 def backoff_factor(h: Array, xp: Any) -> Array:
     """``2^-h`` in fp32, exactly, for the back-off exponent ``h`` (int32 or fp32, ≥ 0)."""
-    h = xp.astype(h, xp.int32)
-    return xp.ldexp(xp.ones_like(h, dtype=xp.float32), -h)
+    return _pow2(-xp.astype(h, xp.int32), xp)
+
+
+def _pow2(e: Array, xp: Any) -> Array:
+    """``2^e`` in fp32, exactly (ldexp), for an int32 exponent ``e``."""
+    return xp.ldexp(xp.ones_like(e, dtype=xp.float32), e)
 
 
 def backoff_update(config: AdaLossConfig, h: Array, good: Array, finite: Array, xp: Any
@@ -326,8 +330,7 @@ LIFT_BAND = 16.0
 
 def lift_factor(k: Array, xp: Any) -> Array:
     """``2^k`` in fp32, exactly, for the lift exponent ``k`` (int32, 0 ≤ k ≤ MAX_LIFT)."""
-    k = xp.astype(k, xp.int32)
-    return xp.ldexp(xp.ones_like(k, dtype=xp.float32), k)
+    return _pow2(xp.astype(k, xp.int32), xp)
 
 
 def subnormal_fraction(x: Array, config: AdaLossConfig, xp: Any, absmax: Array | None = None) -> Array:

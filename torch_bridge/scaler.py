@@ -329,12 +329,14 @@ class AdaLossScaler:
             new_h, new_good = solver.backoff_update(self._config, h, good, finite, xp)
             h.copy_(new_h)
             good.copy_(new_good)
+        finite_on: tuple[torch.device, torch.Tensor] | None = None  # computed once per device
         for name, ratio in self._ratio.items():
             k = self._lift.get(name)
             if k is None:
                 k = self._lift[name] = torch.zeros((), dtype=torch.int32, device=ratio.device)
-            finite = found_total(found_inf, k.device) == 0
-            k.copy_(solver.lift_update(self._config, k, ratio.to(k.device), finite, xp))
+            if finite_on is None or finite_on[0] != k.device:
+                finite_on = (k.device, found_total(found_inf, k.device) == 0)
+            k.copy_(solver.lift_update(self._config, k, ratio.to(k.device), finite_on[1], xp))
         self._ratio = {}
         self._per_optimizer.clear()
         self._pending.clear()
