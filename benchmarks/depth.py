@@ -1,0 +1,214 @@
+"""Cost of adaptive loss scaling against depth: trace, compile, step time and memory (JAX).
+
+    python benchmarks/depth.py                          # 2/8/16/32 blocks, the default LM
+    python benchmarks/depth.py --blocks 2 8 --json out.json
+
+A linen pre-LayerNorm transformer LM (fp16 compute, fp32 parameters and loss), unrolled.
+For each depth, two jitted functions of the same model and batch are compared:
+
+- the gradient: ``jax_adaloss.value_and_grad`` against ``jax.value_and_grad``: trace,
+  lowering and compile seconds, instructions in the optimised HLO, compiled temp memory,
+  median step time;
+- the training step (gradient, unscaling, non-finite skip, Adam): ``adaloss()`` chained with
+  ``optax.adam`` against ``jmp.DynamicLossScale`` (GradScaler's defaults) around
+  ``jax.value_and_grad`` and the same Adam, timed in alternation.
+
+Prints a Markdown table of the ratios (adaloss / baseline) and writes ``--json``. Not a test:
+timings depend on the machine; docs/results.md keeps the table measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import jax_adaloss
+
+F16 = jnp.float16
+
+
+class Block(nn.Module):
+    heads: int
+
+    @nn.compact
+    def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
+        x = nn.LayerNorm(dtype=F16)(h)
+        h = h + nn.SelfAttention(num_heads=self.heads, dtype=F16, deterministic=True)(x, mask=mask)
+        x = nn.Dense(4 * h.shape[-1], dtype=F16)(nn.LayerNorm(dtype=F16)(h))
+        return h + nn.Dense(h.shape[-1], dtype=F16)(nn.gelu(x))
+
+
+class LM(nn.Module):
+    vocab: int
+    dim: int
+    heads: int
+    blocks: int
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        embed = nn.Embed(self.vocab, self.dim, dtype=F16)
+        mask = nn.make_causal_mask(tokens)
+        h = embed(tokens)
+        for _ in range(self.blocks):
+            h = Block(self.heads)(h, mask)
+        return embed.attend(nn.LayerNorm(dtype=F16)(h)).astype(jnp.float32)
+
+
+def _hlo_size(text: str) -> int:
+    return len(re.findall(r"= \S+ [\w\-]+\(", text))
+
+
+def _compile(fn: Any, *args: Any) -> tuple[Any, dict[str, float]]:
+    t0 = time.perf_counter()
+    traced = jax.jit(fn).trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
+                      "hlo_ops": _hlo_size(compiled.as_text()),
+                      "temp_bytes": getattr(mem, "temp_size_in_bytes", float("nan"))}
+
+
+def _time(runs: dict[str, Any], repeats: int, steps: int) -> dict[str, float]:
+    """Median ms per call of each zero-argument ``run`` (which blocks), in alternation."""
+    rounds: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            rounds[k].append(1e3 * (time.perf_counter() - t0) / steps)
+    return {k: statistics.median(v) for k, v in rounds.items()}
+
+
+def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
+            repeats: int, steps: int) -> dict[str, Any]:
+    model = LM(vocab, dim, heads, blocks)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+    # the gradients alone
+    ada_vg, ada_c = _compile(jax_adaloss.value_and_grad(loss), params, x, y)
+    jax_vg, jax_c = _compile(jax.value_and_grad(loss), params, x, y)
+
+    # training steps
+    ada_tx = optax.chain(jax_adaloss.adaloss(), optax.adam(1e-4))
+    adam = optax.adam(1e-4)
+
+    def ada_step(p: Any, s: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array]:
+        value, grads = jax_adaloss.value_and_grad(loss)(p, x, y, adaloss_state=s)
+        updates, s = ada_tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    def dyn_step(p: Any, s: Any, ls_arrays: tuple[jax.Array, jax.Array], x: jax.Array, y: jax.Array
+                 ) -> tuple[Any, Any, tuple[jax.Array, jax.Array], jax.Array]:
+        # the scale's arrays cross the jit boundary (Traced.trace does not take jmp's object)
+        ls = jmp.DynamicLossScale(*ls_arrays)
+        value, grads = jax.value_and_grad(lambda q: ls.scale(loss(q, x, y)))(p)
+        grads = ls.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, new_s = adam.update(grads, s, p)
+        p, s = jmp.select_tree(finite, (optax.apply_updates(p, updates), new_s), (p, s))
+        ls = ls.adjust(finite)
+        return p, s, (ls.loss_scale, ls.counter), value
+
+    ada_train, ada_tc = _compile(ada_step, params, ada_tx.init(params), x, y)
+    ls0 = jmp.DynamicLossScale(jnp.float32(2.0**16))
+    dyn_state = (params, adam.init(params), (ls0.loss_scale, ls0.counter))
+    dyn_train, dyn_tc = _compile(dyn_step, *dyn_state, x, y)
+
+    state = {"ada": (params, ada_tx.init(params)), "dyn": dyn_state}
+
+    def run_ada() -> None:
+        p, s, v = ada_train(*state["ada"], x, y)
+        state["ada"] = (p, s)
+        v.block_until_ready()
+
+    def run_dyn() -> None:
+        p, s, ls, v = dyn_train(*state["dyn"], x, y)
+        state["dyn"] = (p, s, ls)
+        v.block_until_ready()
+
+    runs = {"grad_ada": lambda: jax.block_until_ready(ada_vg(params, x, y)),
+            "grad_jax": lambda: jax.block_until_ready(jax_vg(params, x, y)),
+            "step_ada": run_ada, "step_dyn": run_dyn}
+    for run in runs.values():  # warm-up
+        run()
+    ms = _time(runs, repeats, steps)
+    n = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
+    return {"blocks": blocks, "parameters": n, "grad": {"adaloss": ada_c, "jax": jax_c},
+            "train_step": {"adaloss": ada_tc, "dynamic": dyn_tc}, "median_ms": ms,
+            "ratio": {"trace": ada_c["trace_s"] / jax_c["trace_s"],
+                      "compile": ada_c["compile_s"] / jax_c["compile_s"],
+                      "hlo_ops": ada_c["hlo_ops"] / jax_c["hlo_ops"],
+                      "temp_memory": ada_c["temp_bytes"] / max(jax_c["temp_bytes"], 1),
+                      "grad_step": ms["grad_ada"] / ms["grad_jax"],
+                      "train_compile": ada_tc["compile_s"] / dyn_tc["compile_s"],
+                      "train_step": ms["step_ada"] / ms["step_dyn"]}}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per depth, adaloss / baseline ratios and the absolute seconds/ms."""
+    lines = ["| blocks | params | trace | compile (s) | HLO ops | temp mem | grad step | "
+             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q, g, ms = r["ratio"], r["grad"], r["median_ms"]
+        lines.append(
+            f"| {r['blocks']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | {q['compile']:.2f}× "
+            f"({g['adaloss']['compile_s']:.1f} vs {g['jax']['compile_s']:.1f}) | {q['hlo_ops']:.2f}× | "
+            f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× | {q['train_compile']:.2f}× | "
+            f"{q['train_step']:.2f}× ({ms['step_ada']:.1f} vs {ms['step_dyn']:.1f}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[2, 8, 16, 32])
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for b in tqdm(args.blocks, desc="depths"):
+        rows.append(measure(b, args.vocab, args.dim, args.heads, args.seq, args.batch,
+                            args.repeats, args.steps))
+        tqdm.write(table(rows[-1:]).splitlines()[-1])
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}; "
+          f"dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios are adaloss / baseline")
+    print(table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows},
+                                        indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
