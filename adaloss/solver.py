@@ -43,13 +43,15 @@ class TensorStats(NamedTuple):
 
     ``mean`` may be ``None`` where the statistical model does not use it (the
     ``product``/``output`` models need only ``E[x²]``), to save a reduction;
-    both moments are ``None`` where only the overflow caps are computed.
+    both moments are ``None`` where only the overflow caps are computed. The caps
+    need only ``max|x|``: ``min``/``max`` or ``absmax`` (then ``min``/``max`` may be ``None``).
     """
 
     mean: Array | None
     sq_mean: Array | None  # E[x²] = variance + mean²
-    min: Array
-    max: Array
+    min: Array | None
+    max: Array | None
+    absmax: Array | None = None  # max|x|, where min and max are not computed (one reduction)
 
 
 class LogStats(NamedTuple):
@@ -82,10 +84,13 @@ def tensor_stats(x: Array, xp: Any) -> TensorStats:
     return TensorStats(xp.mean(x), xp.mean(x * x), xp.min(x), xp.max(x))
 
 
-def extrema(x: Array, xp: Any) -> TensorStats:
-    """Only the min and max of ``x`` (all the overflow caps need), in fp32."""
+def magnitude_stats(x: Array, xp: Any, with_mean: bool = False, moments: bool = True) -> TensorStats:
+    """``E[x²]`` (and ``E[x]`` with ``with_mean``; neither without ``moments``) and ``max|x|``
+    in fp32: the fewest reductions the statistical model and the caps need."""
     x = _f32(x, xp)
-    return TensorStats(None, None, xp.min(x), xp.max(x))
+    mean = xp.mean(x) if moments and with_mean else None
+    sq = xp.mean(x * x) if moments else None
+    return TensorStats(mean, sq, None, None, xp.max(xp.abs(x)))
 
 
 def variance(t: TensorStats, xp: Any) -> Array:
@@ -115,7 +120,9 @@ def pow2_floor(x: Array, xp: Any) -> Array:
 
 
 def absmax(t: TensorStats, xp: Any) -> Array:
-    """``max|x|`` from the min and max."""
+    """``max|x|``: ``t.absmax``, else from the min and max."""
+    if t.absmax is not None:
+        return t.absmax
     return xp.maximum(xp.abs(t.min), xp.abs(t.max))
 
 

@@ -98,22 +98,9 @@ def _time(runs: dict[str, Any], repeats: int, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rounds.items()}
 
 
-def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
-            repeats: int, steps: int) -> dict[str, Any]:
-    model = LM(vocab, dim, heads, blocks)
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    params = model.init(jax.random.key(0), x)
-
-    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-
-    # the gradients alone
-    ada_vg, ada_c = _compile(jax_adaloss.value_and_grad(loss), params, x, y)
-    jax_vg, jax_c = _compile(jax.value_and_grad(loss), params, x, y)
-
-    # training steps
+def _train_steps(loss: Any, params: Any, x: jax.Array, y: jax.Array, runs: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """Compile the two training steps; add their timed runs to ``runs``."""
     ada_tx = optax.chain(jax_adaloss.adaloss(), optax.adam(1e-4))
     adam = optax.adam(1e-4)
 
@@ -151,22 +138,44 @@ def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
         state["dyn"] = (p, s, ls)
         v.block_until_ready()
 
+    runs["step_ada"], runs["step_dyn"] = run_ada, run_dyn
+    return {"adaloss": ada_tc, "dynamic": dyn_tc}
+
+
+def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
+            repeats: int, steps: int, train: bool = True) -> dict[str, Any]:
+    """One depth's row; ``train=False`` leaves out the training steps (their compile is long)."""
+    model = LM(vocab, dim, heads, blocks)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+    # the gradients alone
+    ada_vg, ada_c = _compile(jax_adaloss.value_and_grad(loss), params, x, y)
+    jax_vg, jax_c = _compile(jax.value_and_grad(loss), params, x, y)
+
     runs = {"grad_ada": lambda: jax.block_until_ready(ada_vg(params, x, y)),
-            "grad_jax": lambda: jax.block_until_ready(jax_vg(params, x, y)),
-            "step_ada": run_ada, "step_dyn": run_dyn}
+            "grad_jax": lambda: jax.block_until_ready(jax_vg(params, x, y))}
+    train_c: dict[str, Any] = {}
+    if train:
+        train_c = _train_steps(loss, params, x, y, runs)
     for run in runs.values():  # warm-up
         run()
     ms = _time(runs, repeats, steps)
     n = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
     return {"blocks": blocks, "parameters": n, "grad": {"adaloss": ada_c, "jax": jax_c},
-            "train_step": {"adaloss": ada_tc, "dynamic": dyn_tc}, "median_ms": ms,
+            "train_step": train_c, "median_ms": ms,
             "ratio": {"trace": ada_c["trace_s"] / jax_c["trace_s"],
                       "compile": ada_c["compile_s"] / jax_c["compile_s"],
                       "hlo_ops": ada_c["hlo_ops"] / jax_c["hlo_ops"],
                       "temp_memory": ada_c["temp_bytes"] / max(jax_c["temp_bytes"], 1),
-                      "grad_step": ms["grad_ada"] / ms["grad_jax"],
-                      "train_compile": ada_tc["compile_s"] / dyn_tc["compile_s"],
-                      "train_step": ms["step_ada"] / ms["step_dyn"]}}
+                      "grad_step": ms["grad_ada"] / ms["grad_jax"]}
+            | ({"train_compile": train_c["adaloss"]["compile_s"] / train_c["dynamic"]["compile_s"],
+                "train_step": ms["step_ada"] / ms["step_dyn"]} if train else {})}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -175,11 +184,13 @@ def table(rows: list[dict[str, Any]]) -> str:
              "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q, g, ms = r["ratio"], r["grad"], r["median_ms"]
+        train = (f"{q['train_compile']:.2f}× | {q['train_step']:.2f}× ({ms['step_ada']:.1f} vs "
+                 f"{ms['step_dyn']:.1f})") if "train_step" in q else "– | –"
         lines.append(
             f"| {r['blocks']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | {q['compile']:.2f}× "
             f"({g['adaloss']['compile_s']:.1f} vs {g['jax']['compile_s']:.1f}) | {q['hlo_ops']:.2f}× | "
-            f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× | {q['train_compile']:.2f}× | "
-            f"{q['train_step']:.2f}× ({ms['step_ada']:.1f} vs {ms['step_dyn']:.1f}) |")
+            f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× ({ms['grad_ada']:.1f} vs "
+            f"{ms['grad_jax']:.1f}) | {train} |")
     return "\n".join(lines)
 
 
@@ -193,12 +204,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--train-blocks", type=int, default=16,
+                    help="time the training steps up to this depth (the baseline's compile grows fast)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = []
     for b in tqdm(args.blocks, desc="depths"):
         rows.append(measure(b, args.vocab, args.dim, args.heads, args.seq, args.batch,
-                            args.repeats, args.steps))
+                            args.repeats, args.steps, train=b <= args.train_blocks))
         tqdm.write(table(rows[-1:]).splitlines()[-1])
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}; "
           f"dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios are adaloss / baseline")

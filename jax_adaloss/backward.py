@@ -414,19 +414,23 @@ class _Sweep:
         cfg = self.config
         weight = None if cfg.model == "gradient" else node.weight
 
+        with_mean = cfg.model == "gradient"  # the other models need E[x²] only
+
         def fresh() -> tuple[Any, Any]:
-            ws = None if weight is None else solver.tensor_stats(weight, jnp)
-            sigma = solver.model_sigma(cfg, solver.tensor_stats(g, jnp), ws, node.fan_in, jnp)
+            ws = None if weight is None else solver.magnitude_stats(weight, jnp)
+            gs = solver.magnitude_stats(g, jnp, with_mean)
+            sigma = solver.model_sigma(cfg, gs, ws, node.fan_in, jnp)
             return solver.model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
 
         s_model, sigma = self._statistical(node.name, fresh)
-        g_ext = solver.extrema(g, jnp)  # the caps use current statistics on every call
+        # the caps use current statistics on every call (the same max|g| reduction: XLA's CSE)
+        g_ext = solver.magnitude_stats(g, jnp, moments=False)
         behind = self._decided_by(incoming)
         if cfg.underflow_feedback:
             frac = solver.subnormal_fraction(g, cfg, jnp, solver.absmax(g_ext, jnp))
             for name in behind:
                 self.fractions[name].append(frac)
-        w_ext = None if weight is None else solver.extrema(weight, jnp)
+        w_ext = None if weight is None else solver.magnitude_stats(weight, jnp, moments=False)
         d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
                                cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
         scale, outgoing = _settled((d.scale, incoming * d.scale))
@@ -503,15 +507,13 @@ def _settled(x: Any) -> Any:
     return jax.tree.map(lambda v: jnp.max(v * jnp.array([1.0, 0.5], _F32)), x)
 
 
-#: Exact weights for :func:`_stored`: ``¾x + ¼x = x`` in fp32 for a ≤16-bit float ``x`` (at
-#: most 11 significant bits, 13 after ×¾)
-_SPLIT = (0.75, 0.25)
-
-
 def _stored(x: Any) -> Any:
-    """``x`` (a ≤16-bit float tensor; others unchanged), bitwise, as the result of a
-    reduction (``¾x + ¼x`` in fp32) so that XLA writes it to memory instead of fusing
-    the elementwise sums that computed it into every consumer.
+    """``x`` (a ≤16-bit float tensor; others unchanged) as the result of a reduction, so that
+    XLA writes it to memory instead of fusing the elementwise sums that computed it into every
+    consumer: ``¾x + ¼x`` in fp32 for fp16 (exact: at most 11 significant bits, 13 after ×¾,
+    and ¼ of fp16's smallest subnormal is an fp32 normal), ``1·x + 0·x`` for bfloat16 (whose
+    range is fp32's: a quarter of its smallest normals would be flushed); bitwise, but for −0
+    (+0) and a bfloat16 ±inf (NaN: a non-finite step either way).
 
     A merged cotangent (the residual stream) feeds only fusible consumers (the next merge's
     rescale and max-abs, a cast decision's statistics), so without this XLA recomputes the
@@ -520,8 +522,9 @@ def _stored(x: Any) -> Any:
     dtype = jnp.result_type(x)
     if not (_is_float(dtype) and dtype.itemsize <= 2):
         return x
-    split = jnp.array(_SPLIT, _F32).reshape((2,) + (1,) * np.ndim(x))
-    return jnp.sum(x.astype(_F32)[None] * split, axis=0).astype(dtype)
+    split = (0.75, 0.25) if dtype == jnp.float16 else (1.0, 0.0)
+    weights = jnp.array(split, _F32).reshape((2,) + (1,) * np.ndim(x))
+    return jnp.sum(x.astype(_F32)[None] * weights, axis=0).astype(dtype)
 
 
 def _any(flags: list[Any]) -> Any:
