@@ -82,13 +82,35 @@ class _Node:
     eqn: Any = None  # (primitive, bind params, input values): to transpose it widened
     wide: tuple[int, ...] = ()  # positions in ``diff`` whose cotangent goes to a weight
     widenable: bool = False  # the equation can be re-bound on fp32 inputs
+    region: _ScanRegion | None = None  # kind "scan": what its backward re-runs
+
+
+@dataclasses.dataclass
+class _ScanRegion:
+    """A ``scan`` whose body holds layers: its backward is a reverse scan that re-runs the
+    body's forward for each iteration from the saved carry (rematerialised, as under
+    ``jax.checkpoint``) and sweeps it with per-iteration scale decisions."""
+
+    body: jcore.ClosedJaxpr
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+    inputs: list[Any]  # the scan's operands: consts, initial carry, xs (stacked)
+    carries: list[Any]  # the carry entering each iteration, stacked
+    origins: list[str | None]  # of the operands
+    needs: list[bool]  # of the operands
 
 
 class _Tape:
     """Forward pass that records a vjp per equation and each value's origin."""
 
-    def __init__(self, config: AdaLossConfig) -> None:
+    def __init__(self, config: AdaLossConfig, regions: bool = False) -> None:
         self.config = config
+        self.regions = regions  # scans with layers inside get per-iteration scales
+        self.region_layers = 0  # layers found inside them
+        self._scans = 0
         self.values: list[Any] = []
         self.origin: list[str | None] = []
         self.needs: list[bool] = []
@@ -136,6 +158,8 @@ class _Tape:
                 else:
                     consts = []
                 outs = self.run(sub, consts, ins)
+            elif prim == "scan" and self.regions and _weighted_inside(eqn.params):
+                outs = self._scan(eqn, ins)
             elif prim == "convert_element_type" and not eqn.params.get("weak_type"):
                 # one value cast twice to the same dtype (flax's LayerNorm does) is
                 # one cast: its consumers' cotangents then share one scale decision
@@ -183,6 +207,46 @@ class _Tape:
             self._classify(node, eqn, vals)
             self.nodes.append(node)
         return outs
+
+    def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+        """Run a ``scan`` forward, keeping the carry that enters each iteration."""
+        p = eqn.params
+        body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+        vals = [self.values[s] for s in ins]
+        consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+        run_body = jcore.jaxpr_as_fun(body)
+
+        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
+            out = run_body(*consts, *carry, *x)
+            return list(out[:nk]), (list(out[nk:]), list(carry))
+
+        final, (ys, carries) = jax.lax.scan(step, list(init), list(xs), length=p["length"],
+                                            reverse=p["reverse"], unroll=p["unroll"])
+        needs = [self.needs[s] for s in ins]
+        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "scan")
+        outs = [self.slot(v, origin, any(needs) and _is_float(jnp.result_type(v)))
+                for v in [*final, *ys]]
+        region = _ScanRegion(body, nc, nk, p["length"], p["reverse"], p["unroll"], vals, carries,
+                             [self.origin[s] for s in ins], needs)
+        diff = tuple(i for i, n in enumerate(needs) if n)
+        if diff:
+            self._survey(region)
+            self.nodes.append(_Node("scan", ins, outs, None, diff, name=f"scan:{self._scans}",
+                                    region=region))
+            self._scans += 1
+        return outs
+
+    def _survey(self, r: _ScanRegion) -> None:
+        """Trace one iteration of the body (XLA drops it: nothing uses it) to count its layers
+        and check its formats now, before the backward."""
+        sub = _Tape(self.config, regions=True)
+        _body_slots(sub, r, r.inputs[r.num_consts:r.num_consts + r.num_carry],
+                    [x[0] for x in r.inputs[r.num_consts + r.num_carry:]])
+        self.weighted_ops += sub.weighted_ops
+        self.data_path_ops += sub.data_path_ops
+        self.opaque += sub.opaque
+        self.missed += sub.missed
+        self.region_layers += sub.layers_found
 
     def _classify(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
         prim = eqn.primitive.name
@@ -238,7 +302,7 @@ class _Tape:
 
     @property
     def layers_found(self) -> int:
-        return sum(1 for n in self.nodes if n.kind == "layer")
+        return sum(1 for n in self.nodes if n.kind == "layer") + self.region_layers
 
     def warn_coverage(self, weight_args: str) -> None:
         """Say once (per trace) when matmuls/convolutions that should scale do not."""
@@ -256,6 +320,19 @@ class _Tape:
                         "position>; weights passed as non-differentiated arguments, or transformed with "
                         "the data, are data")
         warn_coverage(opaque, self.missed, no_layer, stacklevel=4)
+
+
+def _body_slots(tape: _Tape, r: _ScanRegion, carry: Sequence[Any], x: Sequence[Any]) -> list[int]:
+    """Run a scan body on ``tape`` for one iteration (``carry``, ``x``: its values); returns
+    the input slots (consts, carry, xs) followed by the output slots (carry, ys). A slice of
+    a stacked weight is that weight; the carry needs a cotangent where any operand does."""
+    nc, nk = r.num_consts, r.num_carry
+    any_needs = any(r.needs)
+    slots = [tape.slot(v, r.origins[i], r.needs[i]) for i, v in enumerate(r.inputs[:nc])]
+    slots += [tape.slot(v, None, any_needs and _is_float(jnp.result_type(v))) for v in carry]
+    slots += [tape.slot(v, r.origins[nc + nk + i], r.needs[nc + nk + i]) for i, v in enumerate(x)]
+    consts = [tape.slot(c, _CONST, False) for c in r.body.consts]
+    return slots + tape.run(r.body.jaxpr, consts, slots)
 
 
 def _weighted_inside(params: dict[str, Any]) -> int:
@@ -299,6 +376,7 @@ class _Sweep:
         self.fractions: dict[str, list[Any]] = defaultdict(list)
         self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
         self.unlifted: list[str] = []  # layer decisions whose weight the lift state lacks
+        self.region_signals: dict[str, list[Any]] = {}  # weight -> underflow ratios from scans
         self.capture, self.adaptive = capture, adaptive
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
@@ -354,8 +432,10 @@ class _Sweep:
         return self.merge(parts) if parts else None
 
     # -- the sweep --------------------------------------------------------------
-    def run(self, out_slot: int, seed: Any, seed_scale: Any) -> None:
-        self.cts[out_slot].append((seed, seed_scale))
+    def run(self, seeds: Sequence[tuple[int, Any, Any]]) -> None:
+        """Sweep back from ``(slot, cotangent, scale)`` seeds."""
+        for slot, seed, seed_scale in seeds:
+            self.cts[slot].append((seed, seed_scale))
         for node in reversed(self.tape.nodes):
             got = [self.take(s) for s in node.outs]
             present = [g for g in got if g is not None]
@@ -369,6 +449,9 @@ class _Sweep:
                 scale = present[0][1]
             out_cts = [g[0] if g is not None else _zero_ct(self.tape.values[s])
                        for g, s in zip(got, node.outs)]
+            if node.kind == "scan":
+                self._scan(node, got)
+                continue
             if node.kind != "op" and self.capture:
                 self.captured[node.name] = out_cts[0]
                 self.captured_scales[node.name] = scale
@@ -395,6 +478,78 @@ class _Sweep:
         for k in node.wide:
             cts[k] = wide[k]
         return cts
+
+    def _scan(self, node: _Node, got: list[tuple[Any, Any] | None]) -> None:
+        """The backward of a scan region: a reverse scan whose body re-runs one iteration's
+        forward and sweeps it; the carry's cotangents ride in the loop with their scales, each
+        iteration's layers decide their own scales (stacked in the report), a stacked input's
+        per-iteration cotangents are brought to one scale at the end (a merge)."""
+        r = node.region
+        assert r is not None
+        if self.capture:
+            raise ValueError("capture_cotangents=True is not supported with layers inside a scan; "
+                             "unroll the scan (e.g. nn.scan -> a Python loop) to measure them")
+        if self.cache is not None and self.config.update_every > 1:
+            raise NotImplementedError("AdaLossConfig.update_every > 1 is not supported with layers "
+                                      "inside a scan; use update_every=1")
+        nc, nk = r.num_consts, r.num_carry
+        one = jnp.ones((), _F32)
+        out_vals = [self.tape.values[s] for s in node.outs]
+        wanted = [j for j, s in enumerate(node.outs) if self.tape.needs[s]]
+        seeds = {j: got[j] if got[j] is not None else (jnp.zeros_like(out_vals[j]), one) for j in wanted}
+        carry_js = [j for j in wanted if j < nk]
+        ys_js = [j for j in wanted if j >= nk]
+        consts = [i for i in range(nc) if r.needs[i]]
+        xs = [i for i in range(nc + nk, len(r.inputs)) if r.needs[i]]
+        acc0 = [jnp.zeros(np.shape(r.inputs[i]), _ct_dtype(r.inputs[i], r.origins[i])) for i in consts]
+
+        def back(carry: Any, inp: Any) -> Any:
+            cts, scales, acc, acc_scales = carry
+            x_i, c_i, y_cts = inp
+            sub = _Tape(self.config, regions=True)
+            slots = _body_slots(sub, r, c_i, x_i)
+            ins, outs = slots[:len(r.inputs)], slots[len(r.inputs):]
+            sweep = _Sweep(sub, self.config, None, adaptive=True, backoff=self.backoff, lift=self.lift)
+            sweep.run([(outs[j], ct, s) for j, ct, s in zip(carry_js, cts, scales)]
+                      + [(outs[j], ct, seeds[j][1]) for j, ct in zip(ys_js, y_cts)])
+            new = [_or_zero(sweep.take(ins[nc + j]), c_i[j], jnp.result_type(c_i[j])) for j in carry_js]
+            merged = []
+            for i, a, a_s in zip(consts, acc, acc_scales):
+                part = sweep.take(ins[i])
+                merged.append((a, a_s) if part is None else sweep.merge([(a, a_s), part]))
+            x_cts = [_or_zero(sweep.take(ins[i]), x_i[i - nc - nk], _ct_dtype(r.inputs[i], r.origins[i]))
+                     for i in xs]
+            self.unlifted.extend(sweep.unlifted)
+            return (([ct for ct, _ in new], [s for _, s in new],
+                     [m.astype(a.dtype) for (m, _), a in zip(merged, acc)], [s for _, s in merged]),
+                    (x_cts, sweep.layers, sweep.underflow_signals()))
+
+        init = ([seeds[j][0] for j in carry_js], [seeds[j][1] for j in carry_js], acc0, [one] * len(acc0))
+        per_iter = ([r.inputs[i] for i in range(nc + nk, len(r.inputs))], r.carries,
+                    [seeds[j][0] for j in ys_js])
+        (cts, scales, acc, acc_scales), (x_cts, layers, signals) = jax.lax.scan(
+            back, init, per_iter, length=r.length, reverse=not r.reverse, unroll=r.unroll)
+        for j, ct, s in zip(carry_js, cts, scales):  # to the initial carry
+            self.cts[node.ins[nc + j]].append((ct, s))
+        for i, a, a_s in zip(consts, acc, acc_scales):
+            self.cts[node.ins[i]].append((a, a_s))
+        for i, (ct, s) in zip(xs, x_cts):
+            self.cts[node.ins[i]].append(self._one_scale(ct, s))
+        for name, rep in layers.items():  # a weight's name, a cast's or constant's within the scan
+            key = f"{node.name}/{name}" if name.startswith(("cast:", "const:")) else name
+            self.layers[key if key not in self.layers else f"{key}@{node.name}"] = rep
+        for w, ratio in signals.items():
+            self.region_signals.setdefault(w, []).append(jnp.max(ratio))
+
+    def _one_scale(self, ct: Any, scales: Any) -> tuple[Any, Any]:
+        """Per-iteration cotangents of a stacked input (``ct[l]`` carries ``scales[l]``) at one
+        scale: the merge of the slices."""
+        n = scales.shape[0]
+        absmax = jnp.max(jnp.abs(ct.astype(_F32)).reshape(n, -1), axis=1)
+        target = _settled(solver.merge_scale([scales[k] for k in range(n)], [absmax[k] for k in range(n)],
+                                             self._u_max(jnp.result_type(ct)), jnp))
+        factor = (target / scales).reshape((n,) + (1,) * (np.ndim(ct) - 1))
+        return _rescale(ct, factor), target
 
     def _statistical(self, name: str, fresh: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """(statistical scale, its spread) of a decision: ``fresh()`` on recompute calls
@@ -487,9 +642,10 @@ class _Sweep:
         """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
         largest over a weight's uses), for the lift of :func:`jax_adaloss.adaloss`."""
         out: dict[str, Any] = {}
-        for name, fracs in self.fractions.items():
-            r = solver.underflow_ratio(fracs, self.limited[name], self.config, jnp)
-            w = weight_of(name)
+        ratios = [(weight_of(name), solver.underflow_ratio(fracs, self.limited[name], self.config, jnp))
+                  for name, fracs in self.fractions.items()]
+        ratios += [(w, r) for w, rs in self.region_signals.items() for r in rs]
+        for w, r in ratios:
             out[w] = r if w not in out else jnp.maximum(out[w], r)
         return out
 
@@ -560,6 +716,22 @@ def _like(ct: Any, value: Any) -> Any:
     return ct
 
 
+def _or_zero(got: tuple[Any, Any] | None, value: Any, dtype: Any) -> tuple[Any, Any]:
+    """A (cotangent, scale) pair in ``dtype``, or a zero cotangent like ``value`` at scale 1
+    (a loop's carry and outputs need a fixed type)."""
+    if got is not None:
+        return jnp.asarray(got[0]).astype(dtype), got[1]
+    return jnp.zeros(np.shape(value), dtype), jnp.ones((), _F32)
+
+
+def _ct_dtype(value: Any, origin: str | None) -> Any:
+    """The dtype a sweep gives the cotangent of ``value``: a 16-bit weight's in fp32."""
+    dtype = jnp.result_type(value)
+    if origin not in (None, _CONST) and jnp.dtype(dtype).itemsize < 4:
+        return jnp.promote_types(dtype, _F32)
+    return dtype
+
+
 def _zero_ct(value: Any) -> Any:
     dtype = jnp.result_type(value)
     if _is_float(dtype):
@@ -586,7 +758,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     argument, the report, and per weight the underflow ratio its decisions left
     (:meth:`_Sweep.underflow_signals`; empty without ``config.underflow_feedback``).
     """
-    tape = _Tape(config)
+    tape = _Tape(config, regions=adaptive)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
     consts = [tape.slot(c, None, False) for c in jaxpr.consts]
     out_slots = tape.run(jaxpr.jaxpr, consts, in_slots)
@@ -599,7 +771,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))
-    sweep.run(out_slots[0], seed, seed_scale)
+    sweep.run([(out_slots[0], seed, seed_scale)])
     if sweep.unlifted and config.underflow_feedback:
         warnings.warn(f"adaptive loss scaling: the adaloss state holds no lift for "
                       f"{sorted(set(sweep.unlifted))}: it was initialised with another tree than the "
