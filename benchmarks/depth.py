@@ -3,7 +3,8 @@
     python benchmarks/depth.py                          # 2/8/16/32 blocks, the default LM
     python benchmarks/depth.py --blocks 2 8 --json out.json
 
-A linen pre-LayerNorm transformer LM (fp16 compute, fp32 parameters and loss), unrolled.
+A linen pre-LayerNorm transformer LM (fp16 compute, fp32 parameters and loss), its blocks
+unrolled (a Python loop) or scanned (``nn.scan``, MaxText-style).
 For each depth, two jitted functions of the same model and batch are compared:
 
 - the gradient: ``jax_adaloss.value_and_grad`` against ``jax.value_and_grad``: trace,
@@ -45,11 +46,11 @@ class Block(nn.Module):
     heads: int
 
     @nn.compact
-    def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
         x = nn.LayerNorm(dtype=F16)(h)
         h = h + nn.SelfAttention(num_heads=self.heads, dtype=F16, deterministic=True)(x, mask=mask)
         x = nn.Dense(4 * h.shape[-1], dtype=F16)(nn.LayerNorm(dtype=F16)(h))
-        return h + nn.Dense(h.shape[-1], dtype=F16)(nn.gelu(x))
+        return h + nn.Dense(h.shape[-1], dtype=F16)(nn.gelu(x)), None
 
 
 class LM(nn.Module):
@@ -57,14 +58,20 @@ class LM(nn.Module):
     dim: int
     heads: int
     blocks: int
+    scanned: bool = False  # nn.scan over the blocks (MaxText-style) instead of a Python loop
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         embed = nn.Embed(self.vocab, self.dim, dtype=F16)
         mask = nn.make_causal_mask(tokens)
         h = embed(tokens)
-        for _ in range(self.blocks):
-            h = Block(self.heads)(h, mask)
+        if self.scanned:
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=nn.broadcast, length=self.blocks)
+            h, _ = stack(self.heads, name="blocks")(h, mask)
+        else:
+            for _ in range(self.blocks):
+                h, _ = Block(self.heads)(h, mask)
         return embed.attend(nn.LayerNorm(dtype=F16)(h)).astype(jnp.float32)
 
 
@@ -143,9 +150,9 @@ def _train_steps(loss: Any, params: Any, x: jax.Array, y: jax.Array, runs: dict[
 
 
 def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
-            repeats: int, steps: int, train: bool = True) -> dict[str, Any]:
+            repeats: int, steps: int, train: bool = True, scanned: bool = False) -> dict[str, Any]:
     """One depth's row; ``train=False`` leaves out the training steps (their compile is long)."""
-    model = LM(vocab, dim, heads, blocks)
+    model = LM(vocab, dim, heads, blocks, scanned)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -167,7 +174,8 @@ def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
         run()
     ms = _time(runs, repeats, steps)
     n = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
-    return {"blocks": blocks, "parameters": n, "grad": {"adaloss": ada_c, "jax": jax_c},
+    return {"blocks": blocks, "layout": "scanned" if scanned else "unrolled", "parameters": n,
+            "grad": {"adaloss": ada_c, "jax": jax_c},
             "train_step": train_c, "median_ms": ms,
             "ratio": {"trace": ada_c["trace_s"] / jax_c["trace_s"],
                       "compile": ada_c["compile_s"] / jax_c["compile_s"],
@@ -180,14 +188,15 @@ def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per depth, adaloss / baseline ratios and the absolute seconds/ms."""
-    lines = ["| blocks | params | trace | compile (s) | HLO ops | temp mem | grad step | "
-             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| blocks | layout | params | trace | compile (s) | HLO ops | temp mem | grad step | "
+             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q, g, ms = r["ratio"], r["grad"], r["median_ms"]
         train = (f"{q['train_compile']:.2f}× | {q['train_step']:.2f}× ({ms['step_ada']:.1f} vs "
                  f"{ms['step_dyn']:.1f})") if "train_step" in q else "– | –"
         lines.append(
-            f"| {r['blocks']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | {q['compile']:.2f}× "
+            f"| {r['blocks']} | {r['layout']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | "
+            f"{q['compile']:.2f}× "
             f"({g['adaloss']['compile_s']:.1f} vs {g['jax']['compile_s']:.1f}) | {q['hlo_ops']:.2f}× | "
             f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× ({ms['grad_ada']:.1f} vs "
             f"{ms['grad_jax']:.1f}) | {train} |")
@@ -206,12 +215,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--train-blocks", type=int, default=16,
                     help="time the training steps up to this depth (the baseline's compile grows fast)")
+    ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"), default=["unrolled", "scanned"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = []
-    for b in tqdm(args.blocks, desc="depths"):
+    for b, layout in tqdm([(b, a) for b in args.blocks for a in args.layouts], desc="depths"):
         rows.append(measure(b, args.vocab, args.dim, args.heads, args.seq, args.batch,
-                            args.repeats, args.steps, train=b <= args.train_blocks))
+                            args.repeats, args.steps, train=b <= args.train_blocks,
+                            scanned=layout == "scanned"))
         tqdm.write(table(rows[-1:]).splitlines()[-1])
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}; "
           f"dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios are adaloss / baseline")

@@ -47,6 +47,7 @@ _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 _WEIGHTED = ("dot_general", "conv_general_dilated")
+_REMAT = ("checkpoint", "remat2")
 _SCALAR_FACTOR = ("mul", "div")
 _F32 = jnp.float32
 
@@ -106,18 +107,20 @@ class _ScanRegion:
 class _Tape:
     """Forward pass that records a vjp per equation and each value's origin."""
 
-    def __init__(self, config: AdaLossConfig, regions: bool = False) -> None:
+    def __init__(self, config: AdaLossConfig, regions: bool = False, remat: bool = True,
+                 parent: _Tape | None = None) -> None:
         self.config = config
         self.regions = regions  # scans with layers inside get per-iteration scales
+        self.remat = regions and remat  # jax.checkpoint regions are re-run in the backward
         self.region_layers = 0  # layers found inside them
         self._scans = 0
         self.values: list[Any] = []
         self.origin: list[str | None] = []
         self.needs: list[bool] = []
         self.nodes: list[_Node] = []
-        self._names: dict[str, int] = defaultdict(int)
-        self._consts = 0
-        self._casts = 0
+        # name counters ("<cast>", "<const>": their numbers), shared with a remat region's
+        # tape (``parent``) so that its layers' names stay unique in one report
+        self._names: dict[str, int] = parent._names if parent is not None else defaultdict(int)
         self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
         self.grad_dtype = jnp.dtype(GRAD_FORMATS[config.grad_format])
         self.weighted_ops = 0  # matmuls/convolutions on the differentiated path
@@ -130,6 +133,11 @@ class _Tape:
         self.origin.append(origin)
         self.needs.append(needs)
         return len(self.values) - 1
+
+    def _count(self, key: str) -> int:
+        k = self._names[key]
+        self._names[key] += 1
+        return k
 
     def _unique(self, name: str) -> str:
         k = self._names[name]
@@ -150,7 +158,9 @@ class _Tape:
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
             prim = eqn.primitive.name
-            if prim in _INLINE_PARAM:
+            if prim in _REMAT and self.remat:
+                outs = self._remat(eqn, ins)
+            elif prim in _INLINE_PARAM:
                 sub = eqn.params[_INLINE_PARAM[prim]]
                 if isinstance(sub, jcore.ClosedJaxpr):
                     consts = [self.slot(c, _CONST, False) for c in sub.consts]
@@ -236,10 +246,27 @@ class _Tape:
             self._scans += 1
         return outs
 
+    def _remat(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+        """A ``jax.checkpoint`` region: its outputs now; its forward again in the backward."""
+        body = eqn.params["jaxpr"]
+        body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
+        vals = [self.values[s] for s in ins]
+        out_vals = jcore.jaxpr_as_fun(body)(*vals)
+        needs = [self.needs[s] for s in ins]
+        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "remat")
+        outs = [self.slot(v, origin, any(needs) and _is_float(jnp.result_type(v))) for v in out_vals]
+        region = _ScanRegion(body, len(vals), 0, 1, False, 1, vals, [],
+                             [self.origin[s] for s in ins], needs)
+        diff = tuple(i for i, n in enumerate(needs) if n)
+        if diff:
+            self._survey(region)
+            self.nodes.append(_Node("remat", ins, outs, None, diff, region=region))
+        return outs
+
     def _survey(self, r: _ScanRegion) -> None:
         """Trace one iteration of the body (XLA drops it: nothing uses it) to count its layers
         and check its formats now, before the backward."""
-        sub = _Tape(self.config, regions=True)
+        sub = _Tape(self.config, regions=True, remat=False)
         _body_slots(sub, r, r.inputs[r.num_consts:r.num_consts + r.num_carry],
                     [x[0] for x in r.inputs[r.num_consts + r.num_carry:]])
         self.weighted_ops += sub.weighted_ops
@@ -269,8 +296,7 @@ class _Tape:
                 return
             name = origins[w]
             if name == _CONST:
-                name = f"const:{self._consts}"
-                self._consts += 1
+                name = f"const:{self._count('<const>')}"
             node.kind, node.name = "layer", self._unique(name)
             node.act = node.diff.index(x)
             node.wgt = node.diff.index(w) if w in node.diff else -1
@@ -283,8 +309,7 @@ class _Tape:
             dst = jnp.dtype(eqn.params["new_dtype"])
             if _is_float(src) and _is_float(dst) and src.itemsize < dst.itemsize <= 8 \
                     and src.itemsize <= 2:
-                node.kind, node.name = "cast", f"cast:{self._casts}"
-                self._casts += 1
+                node.kind, node.name = "cast", f"cast:{self._count('<cast>')}"
                 self._check_format(src, f"{node.name} (a {dst.name} → {src.name} cotangent cast)")
 
     def _check_format(self, dtype: Any, where: str) -> None:
@@ -436,10 +461,16 @@ class _Sweep:
         """Sweep back from ``(slot, cotangent, scale)`` seeds."""
         for slot, seed, seed_scale in seeds:
             self.cts[slot].append((seed, seed_scale))
-        for node in reversed(self.tape.nodes):
+        self._sweep(self.tape.nodes)
+
+    def _sweep(self, nodes: list[_Node]) -> None:
+        for node in reversed(nodes):
             got = [self.take(s) for s in node.outs]
             present = [g for g in got if g is not None]
             if not present:
+                continue
+            if node.kind in ("scan", "remat"):  # each output keeps its scale
+                (self._scan if node.kind == "scan" else self._remat)(node, got)
                 continue
             if len(present) > 1:
                 _, scale = self.merge(present)  # common scale for a multi-output op
@@ -449,9 +480,6 @@ class _Sweep:
                 scale = present[0][1]
             out_cts = [g[0] if g is not None else _zero_ct(self.tape.values[s])
                        for g, s in zip(got, node.outs)]
-            if node.kind == "scan":
-                self._scan(node, got)
-                continue
             if node.kind != "op" and self.capture:
                 self.captured[node.name] = out_cts[0]
                 self.captured_scales[node.name] = scale
@@ -506,7 +534,7 @@ class _Sweep:
         def back(carry: Any, inp: Any) -> Any:
             cts, scales, acc, acc_scales = carry
             x_i, c_i, y_cts = inp
-            sub = _Tape(self.config, regions=True)
+            sub = _Tape(self.config, regions=True, remat=False)  # the body is re-run already
             slots = _body_slots(sub, r, c_i, x_i)
             ins, outs = slots[:len(r.inputs)], slots[len(r.inputs):]
             sweep = _Sweep(sub, self.config, None, adaptive=True, backoff=self.backoff, lift=self.lift)
@@ -540,6 +568,28 @@ class _Sweep:
             self.layers[key if key not in self.layers else f"{key}@{node.name}"] = rep
         for w, ratio in signals.items():
             self.region_signals.setdefault(w, []).append(jnp.max(ratio))
+
+    def _remat(self, node: _Node, got: list[tuple[Any, Any] | None]) -> None:
+        """The backward of a ``jax.checkpoint`` region: its forward re-run from the saved inputs
+        (behind an optimisation barrier, as ``jax.checkpoint`` does, so that XLA does not reuse
+        the first forward) on a tape that shares this sweep's names, decisions and report."""
+        r = node.region
+        assert r is not None
+        sub = _Tape(self.config, regions=True, parent=self.tape)
+        inputs = jax.lax.optimization_barrier(list(r.inputs))
+        slots = [sub.slot(v, o, n) for v, o, n in zip(inputs, r.origins, r.needs)]
+        outs = sub.run(r.body.jaxpr, [sub.slot(c, _CONST, False) for c in r.body.consts], slots)
+        outer = self.tape, self.cts
+        self.tape, self.cts = sub, defaultdict(list)
+        for s, g in zip(outs, got):
+            if g is not None:
+                self.cts[s].append(g)
+        self._sweep(sub.nodes)
+        results = [self.take(s) if n else None for s, n in zip(slots, r.needs)]
+        self.tape, self.cts = outer
+        for i, res in zip(node.ins, results):
+            if res is not None:
+                self.cts[i].append(res)
 
     def _one_scale(self, ct: Any, scales: Any) -> tuple[Any, Any]:
         """Per-iteration cotangents of a stacked input (``ct[l]`` carries ``scales[l]``) at one

@@ -1,5 +1,6 @@
 """Nested jit, custom_jvp/custom_vjp, checkpoint, scan/cond (opaque blocks), Flax nnx, errors."""
 
+import re
 import warnings
 
 import flax.nnx as nnx
@@ -71,6 +72,27 @@ def test_checkpoint_is_differentiated_through():
     body = jax.checkpoint(lambda q, h: jax.nn.gelu(h @ q["b"]))
     _, report = _compare(lambda q, x: body(q, jnp.tanh(x @ q["a"])) @ q["c"])
     assert "b" in report.layers
+
+
+def test_checkpoint_regions_are_recomputed_in_the_backward():
+    """``jax.checkpoint`` keeps rematerialising: the region's forward runs again in the backward
+    (one more exp in the compiled program, as under ``jax.grad``), with the same decisions."""
+    def f(p, checkpoint):
+        block = lambda w, h: jnp.exp(0.1 * (h @ w))  # noqa: E731 - its backward needs its output
+        block = jax.checkpoint(block) if checkpoint else block
+        h = block(p["b"], jnp.tanh(X.astype(F16) @ p["a"]))
+        return 1e-6 * xent(h @ p["c"], Y)
+
+    params = jax.tree.map(lambda a: a.astype(F16), _p())
+    runs = {}
+    for checkpoint in (False, True):
+        fn = jax.jit(jax_adaloss.grad(lambda p, c=checkpoint: f(p, c), return_report=True))
+        exps = len(re.findall(r"= \S+ exponential\(", fn.lower(params).compile().as_text()))
+        runs[checkpoint] = exps, *fn(params)
+    (exps, grads, report), (exps_ck, grads_ck, report_ck) = runs[False], runs[True]
+    assert exps_ck == exps + 1
+    assert sorted(report.layers) == sorted(report_ck.layers) and "b" in report_ck.layers
+    jax.tree.map(np.testing.assert_array_equal, grads, grads_ck)
 
 
 def test_scan_body_layers_get_a_scale_per_iteration():
