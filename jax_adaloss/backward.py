@@ -1,7 +1,7 @@
 """Scale-propagating backward pass over unmodified JAX functions.
 
 The function is traced to a jaxpr once; the forward pass re-binds each equation
-(recursing into nested ``jit`` and ``jax.checkpoint``) and keeps a ``jax.vjp``
+(recursing into nested ``jit``) and keeps a ``jax.vjp``
 per equation, so the reverse sweep is ours and knows, for every
 ``dot_general``/``conv_general_dilated``, which operand is the weight:
 
@@ -14,8 +14,14 @@ per equation, so the reverse sweep is ours and knows, for every
 - a forward widening cast (e.g. fp16 logits → fp32 loss) is a narrowing cast
   of the cotangent: its scale comes from the log-normal model before narrowing;
 - every other equation (activations, norms, softmax, attention products,
-  gathers, ``custom_jvp``/``custom_vjp`` functions, ``scan``/``while``/``cond``
-  as one opaque block) is linear in its cotangent and passes the scale through;
+  gathers, ``custom_jvp``/``custom_vjp`` functions, ``while``/``cond`` as one
+  opaque block) is linear in its cotangent and passes the scale through;
+- a ``scan`` with layers inside is swept per iteration by a reverse ``scan`` that
+  re-runs the body (:class:`_ScanRegion`); a ``jax.checkpoint`` region is re-run in
+  the backward (rematerialised) and swept like inline code;
+- every decided scale and every merged 16-bit cotangent is materialised
+  (:func:`_settled`, :func:`_stored`), so that XLA does not recompute the chain of
+  decisions above each point: the compiled backward grows linearly with depth;
 - contributions to one value that carry different scales (residual stream,
   q/k/v fan-out, tied weights) are merged by :func:`adaloss.solver.merge_scale`;
 - with ``config.underflow_feedback`` each layer counts the fraction of its incoming
@@ -706,10 +712,12 @@ class _Sweep:
 
 
 def _settled(x: Any) -> Any:
-    """``x`` (scalars) materialised: XLA may not fuse the scalar arithmetic that computed it
-    into each consumer. Without this, every decision's chain of scalar ops (and every earlier
-    decision's, through the incoming scale) is duplicated into each elementwise fusion that
-    reads a scale: compile and step time grow with the square of the depth."""
+    """``x`` (non-negative fp32 scalars: scales), unchanged, as the result of a reduction
+    (``max(v, v/2)``), which XLA never fuses into its consumers. Without this, every decision's
+    chain of scalar ops (and every earlier decision's, through the incoming scale) is duplicated
+    into each elementwise fusion that reads a scale: compile and step time grow with the square
+    of the depth. (``lax.optimization_barrier`` does not do it: XLA:CPU removes it before
+    fusion; a reduction of identical values is simplified away.)"""
     return jax.tree.map(lambda v: jnp.max(v * jnp.array([1.0, 0.5], _F32)), x)
 
 
