@@ -149,9 +149,18 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
                       f"{result['parameters']:,} parameters; {result['machine']}.", "",
                       overhead_table(result), ""]
     parts += _zoo(out / "zoo.json")
+    parts += _depth(out / "depth.json")
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _depth(path: Path) -> list[str]:
+    """The depth benchmark's tables, from its JSON (if it was run)."""
+    if not path.exists():
+        return []
+    from adaloss_study.depth_tables import section
+    return section(json.loads(path.read_text()))
 
 
 ZOO_COMMAND = "python benchmarks/zoo.py --factors 1 1e-3 1e-6 1e-8 --logits 1 10 30 --json docs/zoo.json"

@@ -14,6 +14,9 @@ For each depth, two jitted functions of the same model and batch are compared:
   ``optax.adam`` against ``jmp.DynamicLossScale`` (GradScaler's defaults) around
   ``jax.value_and_grad`` and the same Adam, timed in alternation.
 
+With ``--layouts torch`` (default: all three), the study's torch CharGPT at the same sizes:
+``AdaLossScaler`` against ``torch.amp.GradScaler`` (first step, median training step).
+
 Prints a Markdown table of the ratios (adaloss / baseline) and writes ``--json``. Not a test:
 timings depend on the machine; docs/results.md keeps the table measured here.
 """
@@ -38,6 +41,7 @@ import optax
 from tqdm import tqdm
 
 import jax_adaloss
+from adaloss_study.depth_tables import table, torch_table
 
 F16 = jnp.float16
 
@@ -48,7 +52,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
         x = nn.LayerNorm(dtype=F16)(h)
-        h = h + nn.SelfAttention(num_heads=self.heads, dtype=F16, deterministic=True)(x, mask=mask)
+        h = h + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=F16, deterministic=True)(
+            x, mask=mask)
         x = nn.Dense(4 * h.shape[-1], dtype=F16)(nn.LayerNorm(dtype=F16)(h))
         return h + nn.Dense(h.shape[-1], dtype=F16)(nn.gelu(x)), None
 
@@ -186,21 +191,33 @@ def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
                 "train_step": ms["step_ada"] / ms["step_dyn"]} if train else {})}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one row per depth, adaloss / baseline ratios and the absolute seconds/ms."""
-    lines = ["| blocks | layout | params | trace | compile (s) | HLO ops | temp mem | grad step | "
-             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        q, g, ms = r["ratio"], r["grad"], r["median_ms"]
-        train = (f"{q['train_compile']:.2f}× | {q['train_step']:.2f}× ({ms['step_ada']:.1f} vs "
-                 f"{ms['step_dyn']:.1f})") if "train_step" in q else "– | –"
-        lines.append(
-            f"| {r['blocks']} | {r['layout']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | "
-            f"{q['compile']:.2f}× "
-            f"({g['adaloss']['compile_s']:.1f} vs {g['jax']['compile_s']:.1f}) | {q['hlo_ops']:.2f}× | "
-            f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× ({ms['grad_ada']:.1f} vs "
-            f"{ms['grad_jax']:.1f}) | {train} |")
-    return "\n".join(lines)
+def measure_torch(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
+                  repeats: int, steps: int) -> dict[str, Any]:
+    """One depth's torch row: the study's CharGPT under autocast fp16 on CPU, a training step
+    (forward, backward, unscaling, Adam, scaler update) with ``AdaLossScaler`` against
+    ``torch.amp.GradScaler``, timed in alternation; the first step (graph planning) too."""
+    import torch
+
+    from adaloss_study.jax_runner import RunConfig
+    from adaloss_study.torch_models import CharGPT
+    from adaloss_study.torch_runner import Trainer
+
+    cfg = RunConfig(dim=dim, heads=heads, layers=blocks, seq=seq, batch=batch, lr=1e-4)
+    rng = np.random.default_rng(0)
+    tokens = torch.from_numpy(rng.integers(0, vocab, (batch, seq + 1)).astype(np.int64))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    trainers = {m: Trainer(m, cfg, lambda c: CharGPT(vocab, c.dim, c.heads, c.layers, c.seq))
+                for m in ("adaloss-product", "dynamic")}
+    first = {}
+    for m, t in trainers.items():
+        t0 = time.perf_counter()
+        t.step(x, y)
+        first[m] = time.perf_counter() - t0
+    ms = _time({m: (lambda t=t: t.step(x, y)) for m, t in trainers.items()}, repeats, steps)
+    n = sum(p.numel() for p in trainers["dynamic"].model.parameters())
+    return {"blocks": blocks, "layout": "torch", "parameters": n, "first_step_s": first, "median_ms": ms,
+            "ratio": {"first_step": first["adaloss-product"] / first["dynamic"],
+                      "train_step": ms["adaloss-product"] / ms["dynamic"]}}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -215,22 +232,31 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--train-blocks", type=int, default=16,
                     help="time the training steps up to this depth (the baseline's compile grows fast)")
-    ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"), default=["unrolled", "scanned"])
+    ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned", "torch"),
+                    default=["unrolled", "scanned", "torch"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = []
     for b, layout in tqdm([(b, a) for b in args.blocks for a in args.layouts], desc="depths"):
+        if layout == "torch":
+            rows.append(measure_torch(b, args.vocab, args.dim, args.heads, args.seq, args.batch,
+                                      args.repeats, args.steps))
+            tqdm.write(torch_table(rows[-1:]).splitlines()[-1])
+            continue
         rows.append(measure(b, args.vocab, args.dim, args.heads, args.seq, args.batch,
                             args.repeats, args.steps, train=b <= args.train_blocks,
                             scanned=layout == "scanned"))
         tqdm.write(table(rows[-1:]).splitlines()[-1])
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}; "
           f"dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios are adaloss / baseline")
-    print(table(rows))
+    print(table([r for r in rows if r["layout"] != "torch"]))
+    if any(r["layout"] == "torch" for r in rows):
+        print(torch_table([r for r in rows if r["layout"] == "torch"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows},
-                                        indent=1))
+        machine = f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}"
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows,
+                                         "machine": machine}, indent=1))
     return rows
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_step_time.py                 # the ~100M preset (an H200: a few minutes)
     python benchmarks/gpu_step_time.py --preset tiny   # smoke test on CPU
+    python benchmarks/gpu_step_time.py --budget-s 420  # one device run that ends in 7 minutes
 
 The study's overhead measurement (:mod:`adaloss_study.overhead`: fp16 with no
 scaling, ``jmp.DynamicLossScale`` with GradScaler's defaults, adaloss-product;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +56,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--budget-s", type=int, default=0,
+                    help="stop with an error after this many seconds (0: no limit): a device session's "
+                         "time is finite, and a run killed from outside leaves nothing")
     args = ap.parse_args(argv)
+    if args.budget_s > 0:
+        def out_of_time(*_: Any) -> None:
+            raise SystemExit(f"gpu_step_time: over the --budget-s of {args.budget_s} s; "
+                             "lower --steps/--repeats or use a smaller --preset")
+        signal.signal(signal.SIGALRM, out_of_time)
+        signal.alarm(args.budget_s)
     p = PRESETS[args.preset]
     cfg = RunConfig(dim=p["dim"], heads=p["heads"], layers=p["layers"], seq=p["seq"], batch=p["batch"],
                     lr=1e-4)
     result = overhead.measure("jax", cfg, random_tokens(p["vocab"], cfg), repeats=args.repeats,
                               steps=args.steps, progress=False)
+    signal.alarm(0)
     result.update(preset=args.preset, backend=jax.default_backend())
     print(json.dumps(result, indent=1))
     if args.json:

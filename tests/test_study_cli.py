@@ -198,3 +198,25 @@ def test_ablation_methods(tmp_path, capsys):
     for run in runs.values():  # flushed entries are a subset of those held below u_min as carried
         for step, flushed in run["flushed"].items():
             assert all(v <= run["carried"][step][k] for k, v in flushed.items())
+
+
+def test_depth_benchmark_runs_every_layout(tmp_path, capsys):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import depth
+
+    rows = depth.main(["--blocks", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--batch", "2",
+                       "--vocab", "32", "--repeats", "1", "--steps", "1", "--json", str(tmp_path / "d.json")])
+    layouts = {r["layout"]: r for r in rows}
+    assert set(layouts) == {"unrolled", "scanned", "torch"}
+    for layout in ("unrolled", "scanned"):
+        ratio = layouts[layout]["ratio"]
+        assert all(np.isfinite(v) and v > 0 for v in ratio.values()), ratio
+        assert {"compile", "hlo_ops", "train_step"} <= set(ratio)
+    assert layouts["torch"]["ratio"]["train_step"] > 0
+    printed = capsys.readouterr().out
+    assert "| 1 | scanned |" in printed and (tmp_path / "d.json").exists()
+    from adaloss_study.depth_tables import section
+    page = "\n".join(section(json.loads((tmp_path / "d.json").read_text())))
+    assert page.startswith("## Depth") and "| 1 | scanned |" in page and "AdaLossScaler" in page

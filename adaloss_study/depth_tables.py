@@ -1,0 +1,55 @@
+"""Markdown tables of ``benchmarks/depth.py``'s rows (its JSON), for the console and the results page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COMMAND = "python benchmarks/depth.py --json docs/depth.json"
+
+
+def torch_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per depth, AdaLossScaler / GradScaler."""
+    lines = ["| blocks | params | first step (s) | train step (ms) |", "|---|---|---|---|"]
+    for r in rows:
+        f, ms = r["first_step_s"], r["median_ms"]
+        lines.append(f"| {r['blocks']} | {r['parameters'] / 1e6:.2f}M | {r['ratio']['first_step']:.2f}× "
+                     f"({f['adaloss-product']:.2f} vs {f['dynamic']:.2f}) | {r['ratio']['train_step']:.2f}× "
+                     f"({ms['adaloss-product']:.1f} vs {ms['dynamic']:.1f}) |")
+    return "\n".join(lines)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per depth, adaloss / baseline ratios and the absolute seconds/ms."""
+    lines = ["| blocks | layout | params | trace | compile (s) | HLO ops | temp mem | grad step | "
+             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q, g, ms = r["ratio"], r["grad"], r["median_ms"]
+        train = (f"{q['train_compile']:.2f}× | {q['train_step']:.2f}× ({ms['step_ada']:.1f} vs "
+                 f"{ms['step_dyn']:.1f})") if "train_step" in q else "– | –"
+        lines.append(
+            f"| {r['blocks']} | {r['layout']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | "
+            f"{q['compile']:.2f}× "
+            f"({g['adaloss']['compile_s']:.1f} vs {g['jax']['compile_s']:.1f}) | {q['hlo_ops']:.2f}× | "
+            f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× ({ms['grad_ada']:.1f} vs "
+            f"{ms['grad_jax']:.1f}) | {train} |")
+    return "\n".join(lines)
+
+
+def section(result: dict[str, Any]) -> list[str]:
+    """The results page's section from the benchmark's JSON."""
+    a = result["args"]
+    rows = result["rows"]
+    out = ["## Depth: compile and step time from 2 to 32 blocks", "", f"```\n{COMMAND}\n```", "",
+           f"Linen pre-LayerNorm transformer LM, dim {a['dim']}, {a['heads']} heads, seq {a['seq']}, "
+           f"batch {a['batch']}, fp16 compute; unrolled (a Python loop) or scanned (`nn.scan`). "
+           "Ratios are adaloss / baseline: the gradient against `jax.value_and_grad`, the training "
+           "step (gradient, unscaling, skip, Adam) against `jmp.DynamicLossScale`, timed in "
+           f"alternation (median of {a['repeats']} rounds of {a['steps']} calls); training steps up "
+           f"to {a['train_blocks']} blocks. `{result.get('machine', '')}`.", ""]
+    out += [table([r for r in rows if r["layout"] != "torch"]), ""]
+    torch_rows = [r for r in rows if r["layout"] == "torch"]
+    if torch_rows:
+        out += ["The study's torch CharGPT at the same sizes, autocast fp16: `AdaLossScaler` against "
+                "`torch.amp.GradScaler` (first step: graph planning; median training step).", "",
+                torch_table(torch_rows), ""]
+    return out
