@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-COMMAND = "python benchmarks/depth.py --json docs/depth.json"
+_FLAGS = ("blocks", "dim", "heads", "seq", "batch", "vocab", "repeats", "steps", "train_blocks", "layouts")
+
+
+def command(args: dict[str, Any]) -> str:
+    """The command line that wrote a JSON with these ``args``."""
+    flags = []
+    for k in _FLAGS:
+        v = args[k]
+        flags.append(f"--{k.replace('_', '-')} " + (" ".join(map(str, v)) if isinstance(v, list) else str(v)))
+    return f"python benchmarks/depth.py {' '.join(flags)} --json {args['json']}"
 
 
 def torch_table(rows: list[dict[str, Any]]) -> str:
@@ -39,13 +48,14 @@ def section(result: dict[str, Any]) -> list[str]:
     """The results page's section from the benchmark's JSON."""
     a = result["args"]
     rows = result["rows"]
-    out = ["## Depth: compile and step time from 2 to 32 blocks", "", f"```\n{COMMAND}\n```", "",
+    out = ["## Depth: compile and step time from 2 to 32 blocks", "", f"```\n{command(a)}\n```", "",
            f"Linen pre-LayerNorm transformer LM, dim {a['dim']}, {a['heads']} heads, seq {a['seq']}, "
            f"batch {a['batch']}, fp16 compute; unrolled (a Python loop) or scanned (`nn.scan`). "
            "Ratios are adaloss / baseline: the gradient against `jax.value_and_grad`, the training "
            "step (gradient, unscaling, skip, Adam) against `jmp.DynamicLossScale`, timed in "
            f"alternation (median of {a['repeats']} rounds of {a['steps']} calls); training steps up "
-           f"to {a['train_blocks']} blocks. `{result.get('machine', '')}`.", ""]
+           f"to {a['train_blocks']} blocks. `{result.get('machine', '')}`; a shared 2-core CPU, noisy "
+           "(compare ratios, not absolute times).", ""]
     out += [table([r for r in rows if r["layout"] != "torch"]), ""]
     torch_rows = [r for r in rows if r["layout"] == "torch"]
     if torch_rows:
