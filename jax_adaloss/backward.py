@@ -582,7 +582,10 @@ class _Sweep:
         r = node.region
         assert r is not None
         sub = _Tape(self.config, regions=True, parent=self.tape)
-        inputs = jax.lax.optimization_barrier(list(r.inputs))
+        inputs = list(r.inputs)
+        arrays = [k for k, v in enumerate(inputs) if isinstance(v, jax.Array)]  # not literals
+        for k, v in zip(arrays, jax.lax.optimization_barrier([inputs[k] for k in arrays])):
+            inputs[k] = v
         slots = [sub.slot(v, o, n) for v, o, n in zip(inputs, r.origins, r.needs)]
         outs = sub.run(r.body.jaxpr, [sub.slot(c, _CONST, False) for c in r.body.consts], slots)
         outer = self.tape, self.cts
