@@ -177,9 +177,10 @@ class ScaledBackward:
     only hold a weak reference); ``on_done`` receives its :class:`BackwardRecord`.
 
     ``on_leaf(param, grad, scale, old)`` is called, before autograd accumulates it, for the
-    gradient of each parameter that already has a ``.grad`` (accumulation) and
-    returns the tensor to accumulate and the scale ``.grad`` will carry. Other
-    parameters need no hook: their scale is read from the plan after the pass.
+    gradient of each parameter that already has a ``.grad`` (accumulation; with
+    ``every_leaf``, of every parameter) and returns the tensor to accumulate and the scale
+    ``.grad`` will carry. Other parameters need no hook: their scale is read from the plan
+    after the pass.
     ``hidden`` parameters are used inside opaque regions (reentrant checkpoints): a
     nested backward reaches them, not the plan; their gradients carry the scale the
     region decided (tensor hooks, registered only while the plan has regions), at least
@@ -197,8 +198,9 @@ class ScaledBackward:
                  hidden: Sequence[torch.Tensor] = (),
                  region_scale: Callable[[str, torch.device], torch.Tensor] | None = None,
                  backoff: torch.Tensor | None = None,
-                 lift: dict[str, torch.Tensor] | None = None) -> None:
+                 lift: dict[str, torch.Tensor] | None = None, every_leaf: bool = False) -> None:
         self.plan, self.config = plan, config
+        self.every_leaf = every_leaf  # call on_leaf for every parameter, not only where .grad exists
         self.backoff = backoff  # 2^-h from the scaler's back-off state (fp32 0-d), or None
         self.bo: Any = None  # the same in the pass's scalar namespace
         self.lift = lift or {}  # weight name -> 2^k from the scaler's lift state (fp32 0-d)
@@ -237,7 +239,7 @@ class ScaledBackward:
         self.leaf_handles = [
             node.register_prehook(_pre_hook(self._me, i))
             for i, (p, node) in enumerate(zip(plan.order, plan.nodes))
-            if p.leaf and (p.merges or plan.params[i].grad is not None)]
+            if p.leaf and (self.every_leaf or p.merges or plan.params[i].grad is not None)]
 
     def _unhook_leaves(self) -> None:
         for h in self.leaf_handles:

@@ -70,12 +70,21 @@ class AdaLossScaler:
       host_math: for CPU gradients, compute the scalar decisions on NumPy fp32
         scalars (same arithmetic, ~8x cheaper than 0-d tensors); accelerator
         gradients always use device tensors.
+      unscale_in_backward: divide each parameter's gradient by its scale as autograd
+        delivers it (before it is accumulated into ``.grad``), so that ``.grad`` holds the
+        true gradient (scale 1; ``unscale_`` then only checks it). Data parallelism needs
+        this: ``DistributedDataParallel`` all-reduces each gradient bucket as soon as it is
+        ready, and ranks that chose different scales would average incompatible values.
+        ``None`` (default): on when ``torch.distributed`` is initialized with more than one
+        rank. Exact for power-of-two scales (the default), as unscaling after the backward.
     """
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
-                 enabled: bool = True, capture: bool = False, host_math: bool = True) -> None:
+                 enabled: bool = True, capture: bool = False, host_math: bool = True,
+                 unscale_in_backward: bool | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
+        _refuse_sharded(model)
         config = AdaLossConfig() if config is None else config
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
@@ -84,6 +93,9 @@ class AdaLossScaler:
         self._enabled = bool(enabled)
         self.capture = bool(capture)
         self.host_math = bool(host_math)
+        self.unscale_in_backward = unscale_in_backward
+        self._at_leaf = False  # this backward unscales at the leaves
+        self._ones: dict[torch.device, torch.Tensor] = {}
         self._iteration = 0  # update() calls
         self._skipped = 0
         self._model_scales: dict[str, torch.Tensor] = {}
@@ -144,7 +156,10 @@ class AdaLossScaler:
         plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule,
                          cache=self._plans, grad_dtype=getattr(torch, self._config.grad_format))
         if plan.fresh:
+            _refuse_sharded(self._model)
             _warn_coverage(plan)
+        self._at_leaf = (_data_parallel() if self.unscale_in_backward is None
+                         else bool(self.unscale_in_backward))
         self._coverage = plan.coverage
         hidden: list[torch.Tensor] = []
         if plan.coverage.opaque_regions:
@@ -154,7 +169,7 @@ class AdaLossScaler:
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
-                            **self.levels(outputs.device))
+                            every_leaf=self._at_leaf, **self.levels(outputs.device))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -220,7 +235,14 @@ class AdaLossScaler:
     def _on_leaf(self, param: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor,
                  old: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring a new gradient and an existing ``param.grad`` (accumulation; carrying ``old``,
-        or what the last backward left) to one scale."""
+        or what the last backward left) to one scale; with ``unscale_in_backward``, to scale 1."""
+        if self._at_leaf:
+            if grad.dtype == torch.float16:
+                raise ValueError(_FP16_GRADS)
+            one = self._ones.get(grad.device)
+            if one is None:
+                one = self._ones[grad.device] = torch.ones((), dtype=_F32, device=grad.device)
+            return rescale(grad, scale.reciprocal()), one
         if param.grad is None:
             return grad, scale
         if old is None:
@@ -264,11 +286,7 @@ class AdaLossScaler:
                     raise NotImplementedError("AdaLossScaler does not support sparse gradients "
                                               "(use nn.Embedding(sparse=False))")
                 if p.grad.dtype == torch.float16:
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients. Each gradient carries its own scale "
-                        "(up to the accumulated bound), and dividing it in fp16 would flush its "
-                        "small entries to zero. Keep fp32 parameters and run the forward under "
-                        "torch.autocast(dtype=torch.float16) instead of model.half().")
+                    raise ValueError(_FP16_GRADS)
                 dev = p.grad.device
                 entry = self._pending.pop(id(p), None)
                 if entry is None:
@@ -400,6 +418,34 @@ class AdaLossScaler:
         self._lift = {k: torch.tensor(int(v), dtype=torch.int32)
                       for k, v in state_dict.get("lift", {}).items()}
         self._ratio = {}
+
+
+_FP16_GRADS = ("Attempting to unscale FP16 gradients. Each gradient carries its own scale (up to the "
+               "accumulated bound), and dividing it in fp16 would flush its small entries to zero. Keep "
+               "fp32 parameters and run the forward under torch.autocast(dtype=torch.float16) instead "
+               "of model.half().")
+
+
+def _data_parallel() -> bool:
+    """Whether gradients may be reduced across ranks: ``torch.distributed`` initialized, >1 rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _refuse_sharded(model: torch.nn.Module) -> None:
+    """FSDP reduce-scatters, in its own backward hooks, the gradients of unsharded copies of the
+    parameters, which the scaler neither names nor unscales: refuse it rather than leave
+    gradients scaled silently."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
+        raise NotImplementedError(
+            "AdaLossScaler does not support FSDP (fully_shard / FullyShardedDataParallel) yet: it "
+            "reduce-scatters the gradients of unsharded parameter copies the scaler does not see. Use "
+            "DistributedDataParallel (supported: gradients are unscaled before its all-reduce), or "
+            "torch.amp.GradScaler with FSDP.")
 
 
 def _warn_coverage(plan: ScalePlan) -> None:
