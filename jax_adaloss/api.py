@@ -175,12 +175,13 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         for i, d, ct, origin in zip(dyn, diff, cts, origins):
             leaf = flat[i]
             signal = signals.get(origin) if origin is not None else None
+            if d and ct is not None and signal is not None:
+                signal = _invariant_like(signal, ct[0])
             if d:
                 if ct is None:
-                    grad_leaves[i] = ScaledGrad(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal)
+                    grad_leaves[i] = ScaledGrad.of(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal)
                 else:
-                    grad_leaves[i] = ScaledGrad(jnp.asarray(ct[0]).astype(leaf.dtype),
-                                                jnp.asarray(ct[1], jnp.float32), signal)
+                    grad_leaves[i] = ScaledGrad.of(jnp.asarray(ct[0]).astype(leaf.dtype), ct[1], signal)
             elif _is_array(leaf) and not _is_float(jnp.result_type(leaf)):
                 grad_leaves[i] = np.zeros(np.shape(leaf), jax.dtypes.float0)
         grads_args, _ = jax.tree_util.tree_unflatten(treedef, grad_leaves)
@@ -294,3 +295,18 @@ def _check_output(out: Any) -> None:
 
 
 __all__ = ["value_and_grad", "grad", "BackwardReport", "ScaleCache"]
+
+
+def _invariant_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` reduced (max) over the ``shard_map`` axes ``ref`` is invariant over and ``x`` is
+    not: a gradient summed over devices in the backward carries the largest device's underflow
+    signal, so that every device updates the same state."""
+    axes = tuple(sorted(_varying(x) - _varying(ref), key=str))
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def _varying(a: jax.Array) -> frozenset[Any]:
+    """The ``shard_map`` axes ``a`` varies over (``check_vma``); empty elsewhere."""
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))

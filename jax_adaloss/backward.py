@@ -90,6 +90,7 @@ class _Node:
     wide: tuple[int, ...] = ()  # positions in ``diff`` whose cotangent goes to a weight
     widenable: bool = False  # the equation can be re-bound on fp32 inputs
     region: _ScanRegion | None = None  # kind "scan": what its backward re-runs
+    axes: tuple[Any, ...] = ()  # a collective's named axes (its transpose moves cotangents across devices)
 
 
 @dataclasses.dataclass
@@ -211,7 +212,7 @@ class _Tape:
         origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], prim.name)
         outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
                 for v in out_vals]
-        node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals))
+        node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals), axes=_named_axes(eqn.params))
         if vjp is not None:
             node.widenable = widenable(eqn.params)  # not the bind params: custom rules' are functions
             if node.widenable:
@@ -494,8 +495,26 @@ class _Sweep:
             elif node.kind == "cast" and self.adaptive:
                 self._cast(node, out_cts[0], scale)
             else:
+                if node.axes:
+                    out_cts, scale = self._agree(out_cts, scale, node.axes)
                 for pos, ct in zip(node.diff, self._transpose(node, out_cts)):
                     self.cts[node.ins[pos]].append((ct, scale))
+
+    def _agree(self, cts: list[Any], scale: Any, axes: tuple[Any, ...]) -> tuple[list[Any], Any]:
+        """Before a collective's transpose (``pvary`` -> ``psum`` under ``shard_map``, ``ppermute``,
+        ``all_gather``...) moves cotangents between devices, which may have chosen different
+        scales: bring them to one scale on every device of ``axes``, the smallest, lowered to a
+        power of two at which even their sum over the devices stays below ``u_max``."""
+        s = jnp.asarray(scale, _F32)
+        floats = [c for c in cts if _is_float(jnp.result_type(c))]
+        m = jnp.max(jnp.stack([jnp.max(jnp.abs(c)).astype(_F32) for c in floats])) / s
+        total = jax.lax.psum(m, axes)  # |a sum over the devices| <= target · total
+        common = jax.lax.pmin(s, axes)
+        cap = solver.pow2_floor(solver.saturating_quotient(
+            self._u_max(jnp.result_type(*floats)), total, jnp), jnp)
+        target = _settled(jnp.where(total > 0, jnp.minimum(common, cap), common))
+        self._decided(target, self._decided_by(scale))
+        return [_rescale(c, target / s) if _is_float(jnp.result_type(c)) else c for c in cts], target
 
     def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
         """The node's input cotangents; those going to a weight in (at least) fp32
@@ -712,6 +731,19 @@ class _Sweep:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
         return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
                               self.tape.coverage())
+
+
+def _named_axes(params: dict[str, Any]) -> tuple[Any, ...]:
+    """The named mesh axes a collective (``psum``, ``pvary``, ``ppermute``, ``all_gather``...)
+    communicates over; ``()`` for other equations (whose ``axes`` are positional ints)."""
+    for key in ("axes", "axis_name"):
+        v = params.get(key)
+        if v is None:
+            continue
+        names = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        if names and not any(isinstance(a, (int, np.integer)) for a in names):
+            return names
+    return ()
 
 
 def _settled(x: Any) -> Any:

@@ -19,11 +19,34 @@ class ScaledGrad(NamedTuple):
         (:func:`adaloss.solver.subnormal_fraction`), divided by ``T``; :func:`jax_adaloss.adaloss`
         feeds it to its lift (``AdaLossConfig.underflow_feedback``). The same on every leaf of
         one backward.
+      inverse: fp32 scalar ``1 / scale`` (or ``None``: unchecked), set by the backward and kept
+        by :func:`jax_adaloss.pmean` / :func:`jax_adaloss.psum` / :func:`jax_adaloss.tree_add`.
+        A tree operation that combines scales as if they were values (``jax.lax.pmean``/``psum``
+        over devices whose scales differ, ``jax.tree.map(jnp.add, ...)`` over micro-batches,
+        dividing the tree by their number) breaks ``scale · inverse = 1``, and
+        :func:`jax_adaloss.adaloss` skips and counts that step (``mixed_scales``) instead of
+        applying a wrong gradient.
     """
 
     value: jax.Array
     scale: jax.Array
     underflow: jax.Array | None = None
+    inverse: jax.Array | None = None
+
+    @classmethod
+    def of(cls, value: jax.Array, scale: jax.Array, underflow: jax.Array | None = None,
+           mismatch: jax.Array | None = None) -> ScaledGrad:
+        """A checked ``ScaledGrad`` (``inverse = 1 / scale``); ``mismatch`` (``|scale · inverse − 1|``
+        of the gradients it was reduced from) carries their inconsistency over."""
+        scale = jnp.asarray(scale, jnp.float32)
+        inverse = 1.0 / scale if mismatch is None else (1.0 + mismatch) / scale
+        return cls(value, scale, underflow, inverse)
+
+    def mismatch(self) -> jax.Array:
+        """``|scale · inverse − 1|``: 0 for a gradient as the backward made it (0 if unchecked)."""
+        if self.inverse is None:
+            return jnp.zeros((), jnp.float32)
+        return jnp.abs(jnp.asarray(self.scale, jnp.float32) * self.inverse - 1.0)
 
     def unscale(self, dtype: Any = None) -> jax.Array:
         """``value / scale`` computed in fp32 (or wider if ``value`` is wider), cast to ``dtype``."""

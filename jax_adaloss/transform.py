@@ -34,7 +34,12 @@ class AdaLossState(NamedTuple):
 
     Attributes:
       count: updates seen (int32).
-      skipped: updates skipped because a gradient was not finite (int32).
+      skipped: updates skipped (int32): a gradient was not finite, or its scales were mixed.
+      mixed_scales: updates skipped because a ``ScaledGrad``'s scale was combined with others
+        as if it were a value (int32; :attr:`ScaledGrad.inverse`): gradients reduced across
+        devices or micro-batches with ``jax.lax.pmean``/``psum`` or ``jax.tree.map``. Reduce
+        them with :func:`jax_adaloss.pmean` / :func:`jax_adaloss.psum` /
+        :func:`jax_adaloss.tree_add` instead. Outside ``jit`` such an update raises.
       consecutive_skipped: skipped updates since the last finite one (int32).
       last_finite: whether the last update's gradients were all finite.
       scales: per-leaf fp32 scale of the last update's gradients (1 for plain arrays).
@@ -55,6 +60,7 @@ class AdaLossState(NamedTuple):
 
     count: jax.Array
     skipped: jax.Array
+    mixed_scales: jax.Array
     consecutive_skipped: jax.Array
     last_finite: jax.Array
     scales: Any
@@ -84,6 +90,27 @@ def _all_finite(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.asarray(True)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+#: ``|scale · inverse − 1|`` above this: scales were combined (fp32 rounding of ``1 / scale``
+#: for a scale that is not a power of two stays below 2^-23)
+MISMATCH_TOL = 2.0**-20
+
+
+def _consistent(updates: Any) -> jax.Array:
+    """Whether every checked ``ScaledGrad`` still has ``scale · inverse = 1``; raises outside jit."""
+    checked = [g.mismatch() for g in jax.tree.leaves(updates, is_leaf=is_scaled_grad)
+               if isinstance(g, ScaledGrad) and g.inverse is not None]
+    if not checked:
+        return jnp.asarray(True)
+    ok = jnp.max(jnp.stack(checked)) <= MISMATCH_TOL
+    if not isinstance(ok, jax.core.Tracer) and not bool(ok):
+        raise ValueError(
+            "ScaledGrad scales were combined as if they were values (scale * inverse != 1): the "
+            "gradients were reduced with jax.lax.pmean/psum or jax.tree.map across devices or "
+            "micro-batches whose scales differ. Use jax_adaloss.pmean / jax_adaloss.psum / "
+            "jax_adaloss.tree_add (and tree_scale), which bring them to one scale first.")
+    return ok
 
 
 def _zero_nonfinite(tree: Any, finite: jax.Array) -> Any:
@@ -120,7 +147,7 @@ def adaloss(config: AdaLossConfig | None = None,
     def init(params: Any) -> AdaLossState:
         zero = jnp.zeros((), jnp.int32)
         return AdaLossState(
-            count=zero, skipped=zero, consecutive_skipped=zero,
+            count=zero, skipped=zero, mixed_scales=zero, consecutive_skipped=zero,
             last_finite=jnp.asarray(True),
             scales=jax.tree.map(_one, params),
             backoff=zero, backoff_good=zero, lift=jax.tree.map(lambda _: zero, params),
@@ -132,15 +159,17 @@ def adaloss(config: AdaLossConfig | None = None,
         unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
         scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
         finite = _all_finite(unscaled)
-        unscaled = _zero_nonfinite(unscaled, finite)
+        consistent = _consistent(updates)
+        ok = finite & consistent
+        unscaled = _zero_nonfinite(unscaled, ok)
         inner_state = state.inner_state
         if wrapped is not None:
             new_updates, new_inner = wrapped.update(unscaled, inner_state, params, **extra_args)
-            new_updates = _zero_nonfinite(new_updates, finite)
-            inner_state = optax.tree.where(finite, new_inner, inner_state)
+            new_updates = _zero_nonfinite(new_updates, ok)
+            inner_state = optax.tree.where(ok, new_inner, inner_state)
         else:
             new_updates = unscaled
-        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        skipped = jnp.logical_not(ok).astype(jnp.int32)
         backoff, good = solver.backoff_update(config, state.backoff, state.backoff_good, finite, jnp)
 
         def lift_one(g: Any, k: jax.Array) -> jax.Array:
@@ -151,7 +180,8 @@ def adaloss(config: AdaLossConfig | None = None,
         return new_updates, AdaLossState(
             count=optax.safe_increment(state.count),
             skipped=state.skipped + skipped,
-            consecutive_skipped=jnp.where(finite, 0, state.consecutive_skipped + 1),
+            mixed_scales=state.mixed_scales + jnp.logical_not(consistent).astype(jnp.int32),
+            consecutive_skipped=jnp.where(ok, 0, state.consecutive_skipped + 1),
             last_finite=finite,
             scales=scales,
             backoff=backoff, backoff_good=good, lift=lift,
