@@ -156,6 +156,12 @@ def adaloss(config: AdaLossConfig | None = None,
 
     def update(updates: Any, state: AdaLossState, params: Any = None,
                **extra_args: Any) -> tuple[Any, AdaLossState]:
+        if not isinstance(state, AdaLossState):
+            raise TypeError(
+                f"adaloss() state must be an AdaLossState, got {type(state).__name__}. A checkpoint "
+                "restored without a target (orbax's StandardCheckpointer.restore(path)) comes back as "
+                "dicts: restore with an abstract target, restore(path, jax.tree.map("
+                "ocp.utils.to_shape_dtype_struct, tx.init(params))).")
         unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
         scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
         finite = _all_finite(unscaled)
