@@ -149,17 +149,18 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
                       f"{result['parameters']:,} parameters; {result['machine']}.", "",
                       overhead_table(result), ""]
     parts += _zoo(out / "zoo.json")
-    parts += _depth(out / "depth.json")
+    from adaloss_study import depth_tables, parallel_tables
+    parts += _benchmark(out / "depth.json", depth_tables.section)
+    parts += _benchmark(out / "data_parallel.json", parallel_tables.section)
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
 
 
-def _depth(path: Path) -> list[str]:
-    """The depth benchmark's tables, from its JSON (if it was run)."""
+def _benchmark(path: Path, section: Any) -> list[str]:
+    """A benchmark's section of the results page, from its JSON (if it was run)."""
     if not path.exists():
         return []
-    from adaloss_study.depth_tables import section
     return section(json.loads(path.read_text()))
 
 

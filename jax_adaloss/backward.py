@@ -504,12 +504,13 @@ class _Sweep:
         """Before a collective's transpose (``pvary`` -> ``psum`` under ``shard_map``, ``ppermute``,
         ``all_gather``...) moves cotangents between devices, which may have chosen different
         scales: bring them to one scale on every device of ``axes``, the smallest, lowered to a
-        power of two at which even their sum over the devices stays below ``u_max``."""
+        power of two at which even their sum over the devices stays below ``u_max``. One
+        all-reduce (a ``pmin`` of two scalars) per collective."""
         s = jnp.asarray(scale, _F32)
         floats = [c for c in cts if _is_float(jnp.result_type(c))]
         m = jnp.max(jnp.stack([jnp.max(jnp.abs(c)).astype(_F32) for c in floats])) / s
-        total = jax.lax.psum(m, axes)  # |a sum over the devices| <= target · total
-        common = jax.lax.pmin(s, axes)
+        common, neg_m = jax.lax.pmin(jnp.stack([s, -m]), axes)
+        total = -neg_m * jax.lax.psum(1, axes)  # |a sum over the devices| <= target · total
         cap = solver.pow2_floor(solver.saturating_quotient(
             self._u_max(jnp.result_type(*floats)), total, jnp), jnp)
         target = _settled(jnp.where(total > 0, jnp.minimum(common, cap), common))

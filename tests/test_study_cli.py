@@ -220,3 +220,28 @@ def test_depth_benchmark_runs_every_layout(tmp_path, capsys):
     from adaloss_study.depth_tables import section
     page = "\n".join(section(json.loads((tmp_path / "d.json").read_text())))
     assert page.startswith("## Depth") and "| 1 | scanned |" in page and "AdaLossScaler" in page
+
+
+def test_data_parallel_benchmark_counts_the_all_reduces(tmp_path):
+    """benchmarks/data_parallel.py on 4 CPU devices (its own process: the device count is set
+    before JAX starts), tiny sizes, JAX only (test_torch_ddp runs DDP)."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "dp.json"
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(here, "..", "benchmarks", "data_parallel.py"),
+                           "--blocks", "1", "--dim", "16", "--seq", "8", "--per-device", "1",
+                           "--repeats", "1", "--steps", "1", "--frameworks", "jax", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    rows = result["jax"]["rows"]
+    assert result["jax"]["devices"] == 4 and set(rows) == {"jmp 2^15 vma", "adaloss vma", "jmp 2^15 pmean",
+                                                             "adaloss pmean"}
+    assert all(r["all_reduces"] >= 1 and r["all_reduce_bytes"] > 0 for r in rows.values())
+    assert rows["adaloss pmean"]["error_vs_one_device"] < 1e-2
+    from adaloss_study.parallel_tables import section
+    page = "\n".join(section(result))
+    assert page.startswith("## Data parallelism") and "| adaloss vma |" in page
