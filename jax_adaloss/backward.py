@@ -501,21 +501,11 @@ class _Sweep:
                     self.cts[node.ins[pos]].append((ct, scale))
 
     def _agree(self, cts: list[Any], scale: Any, axes: tuple[Any, ...]) -> tuple[list[Any], Any]:
-        """Before a collective's transpose (``pvary`` -> ``psum`` under ``shard_map``, ``ppermute``,
-        ``all_gather``...) moves cotangents between devices, which may have chosen different
-        scales: bring them to one scale on every device of ``axes``, the smallest, lowered to a
-        power of two at which even their sum over the devices stays below ``u_max``. One
-        all-reduce (a ``pmin`` of two scalars) per collective."""
-        s = jnp.asarray(scale, _F32)
+        """:func:`agree_across`, the common scale decided by whoever decided ``scale``."""
         floats = [c for c in cts if _is_float(jnp.result_type(c))]
-        m = jnp.max(jnp.stack([jnp.max(jnp.abs(c)).astype(_F32) for c in floats])) / s
-        common, neg_m = jax.lax.pmin(jnp.stack([s, -m]), axes)
-        total = -neg_m * jax.lax.psum(1, axes)  # |a sum over the devices| <= target · total
-        cap = solver.pow2_floor(solver.saturating_quotient(
-            self._u_max(jnp.result_type(*floats)), total, jnp), jnp)
-        target = _settled(jnp.where(total > 0, jnp.minimum(common, cap), common))
+        cts, target = agree_across(cts, scale, axes, self._u_max(jnp.result_type(*floats)))
         self._decided(target, self._decided_by(scale))
-        return [_rescale(c, target / s) if _is_float(jnp.result_type(c)) else c for c in cts], target
+        return cts, target
 
     def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
         """The node's input cotangents; those going to a weight in (at least) fp32
@@ -732,6 +722,24 @@ class _Sweep:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
         return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
                               self.tape.coverage())
+
+
+def agree_across(cts: list[Any], scale: Any, axes: tuple[Any, ...], u_max: float) -> tuple[list[Any], Any]:
+    """Before a collective's transpose (``pvary`` -> ``psum`` under ``shard_map``, ``ppermute``,
+    ``all_gather``...) moves cotangents between devices, which may have chosen different
+    scales: bring them to one scale on every device of ``axes``, the smallest, lowered to a
+    power of two at which even their sum over the devices stays below ``u_max``. One
+    all-reduce (a ``pmin`` of two scalars)."""
+    s = jnp.asarray(scale, _F32)
+    floats = [c for c in cts if _is_float(jnp.result_type(c))]
+    m = jnp.max(jnp.stack([jnp.max(jnp.abs(c)).astype(_F32) for c in floats])) / s
+    common, neg_m = jax.lax.pmin(jnp.stack([s, -m]), axes)
+    total = -neg_m * jax.lax.psum(1, axes)  # |a sum over the devices| <= target · total
+    # u_max may be traced (times the back-off factor); the quotient saturates at fp32's max
+    quotient = jnp.asarray(u_max, _F32) / jnp.maximum(total, jnp.float32(2.0**-126))
+    cap = solver.pow2_floor(jnp.minimum(quotient, jnp.float32(solver.F32_MAX)), jnp)
+    target = _settled(jnp.where(total > 0, jnp.minimum(common, cap), common))
+    return [_rescale(c, target / s) if _is_float(jnp.result_type(c)) else c for c in cts], target
 
 
 def _named_axes(params: dict[str, Any]) -> tuple[Any, ...]:

@@ -141,7 +141,7 @@ SHARD_MAP = textwrap.dedent("""
     state = tx.init(params)
 
     def step(p, s, x, y, w, reduce):
-        g = reduce(jax_adaloss.grad(loss)(p, x, y, w))
+        g = reduce(jax_adaloss.grad(loss)(p, x, y, w, adaloss_state=s))
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, g
 
@@ -177,6 +177,25 @@ SHARD_MAP = textwrap.dedent("""
     pp, sp, _ = data_parallel(lambda g: jax.lax.pmean(g, "data"), False, 4.0)
     assert int(optax.tree.get(sp, "mixed_scales")) == 1
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(pp), jax.tree.leaves(params)))
+
+    # 16-bit cotangents crossing devices: one scale, low enough that their sum cannot overflow
+    from jax_adaloss.backward import agree_across
+    def agreed_sum(ct, s):
+        (c,), t = agree_across([ct[0]], s[0], ("data",), 65504.0)
+        return jax.lax.psum(c, "data"), t, jax.lax.psum(ct[0], "data")  # the last: as they came
+    f = jax.jit(jax.shard_map(agreed_sum, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P(),
+                              check_vma=False))
+    def agree(values, scales):
+        ct = jnp.asarray(values, jnp.float16)[:, None] * jnp.ones((4, 8), jnp.float16)
+        total, target, naive = f(shard(ct), shard(jnp.asarray(scales, jnp.float32)))
+        true = sum(v / s for v, s in zip(values, scales))
+        assert bool(jnp.all(jnp.isfinite(total))), (total, target)
+        np.testing.assert_allclose(np.asarray(total, np.float64) / float(target), true, rtol=2e-3)
+        return float(target), naive
+    target, naive = agree([3e4] * 4, [2.0**10] * 4)
+    assert target == 2.0**9 and not bool(jnp.all(jnp.isfinite(naive))), (target, naive)  # 2^10: inf
+    target, _ = agree([1e3, -2e3, 3e3, 4e3], [2.0**13, 2.0**12, 2.0**11, 2.0**10])
+    assert target == 2.0**10  # the smallest scale, no lower: the sum fits
     print("OK", differ)
 """)
 
