@@ -361,7 +361,8 @@ class AdaLossScaler:
 
     # -- telemetry ----------------------------------------------------------------------
     def grad_scales(self) -> dict[str, torch.Tensor]:
-        """``{parameter name: fp32 scale}`` carried by each parameter's gradient in the last backward."""
+        """``{parameter name: fp32 scale}`` carried by each parameter's gradient in the last backward
+        (1 everywhere with ``unscale_in_backward``; :meth:`layer_reports` keeps the decisions)."""
         if self._last is None:
             return {}
         names = parameter_names(self._model)
