@@ -196,6 +196,32 @@ SHARD_MAP = textwrap.dedent("""
     assert target == 2.0**9 and not bool(jnp.all(jnp.isfinite(naive))), (target, naive)  # 2^10: inf
     target, _ = agree([1e3, -2e3, 3e3, 4e3], [2.0**13, 2.0**12, 2.0**11, 2.0**10])
     assert target == 2.0**10  # the smallest scale, no lower: the sum fits
+
+    # flax BatchNorm with axis_name (batch statistics pmean'd across the devices): its transposed
+    # collectives agree on one scale too
+    import flax.linen as nn
+    class BN(nn.Module):
+        axis: str | None = None
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, axis_name=self.axis, dtype=jnp.float16)(
+                nn.Dense(64, dtype=jnp.float16)(x))
+            return nn.Dense(10, dtype=jnp.float16)(nn.relu(x))
+    v = BN().init(jax.random.key(2), x)
+    def bn_loss(axis):
+        def loss(p, x, y, w):
+            variables = {{"params": p, "batch_stats": v["batch_stats"]}}
+            logits, _ = BN(axis).apply(variables, x.astype(jnp.float16), mutable=["batch_stats"])
+            logp = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), y[:, None], -1)[:, 0]
+            return -1e-4 * jnp.sum(w * logp)
+        return loss
+    bn1 = _unscaled(jax.jit(jax_adaloss.grad(bn_loss(None)))(v["params"], x, y, w))
+    bn4 = jax.jit(jax.shard_map(lambda p, x, y, w: jax_adaloss.grad(bn_loss("data"))(p, x, y, w), mesh=mesh,
+                                in_specs=(P(), *batch), out_specs=P()))(v["params"], xs, ys, ws)
+    # Dense_0's bias is left out: BatchNorm cancels it, its gradient is rounding noise
+    keep = [i for i, (k, _) in enumerate(jax.tree_util.tree_leaves_with_path(v["params"]))
+            if "Dense_0" not in str(k) or "kernel" in str(k)]
+    _close([_unscaled(bn4)[i] for i in keep], [bn1[i] for i in keep])
     print("OK", differ)
 """)
 
