@@ -294,9 +294,6 @@ def _check_output(out: Any) -> None:
                         f"of np.floating), but got {out.dtype}.")
 
 
-__all__ = ["value_and_grad", "grad", "BackwardReport", "ScaleCache"]
-
-
 def _invariant_like(x: jax.Array, ref: jax.Array) -> jax.Array:
     """``x`` reduced (max) over the ``shard_map`` axes ``ref`` is invariant over and ``x`` is
     not: a gradient summed over devices in the backward carries the largest device's underflow
@@ -310,3 +307,6 @@ def _varying(a: jax.Array) -> frozenset[Any]:
     t = jax.typeof(a)
     mat = getattr(t, "manual_axis_type", None)  # jax >= 0.10
     return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+__all__ = ["value_and_grad", "grad", "BackwardReport", "ScaleCache"]
