@@ -47,6 +47,7 @@ from adaloss import solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
+from jax_adaloss.scaled_grad import rescale as _rescale
 from jax_adaloss.weight_grads import dot_weight_grad, wide_vjp, widenable
 
 _CONST = "<const>"  # origin of values computed from constants only
@@ -798,15 +799,6 @@ def _sum(xs: list[Any]) -> Any:
     for x in xs[1:]:
         total = total + x
     return total
-
-
-def _rescale(ct: Any, factor: Any) -> Any:
-    """``ct · factor`` computed in (at least) fp32, returned in ``ct``'s dtype."""
-    dtype = jnp.result_type(ct)
-    if not _is_float(dtype):
-        return ct
-    wide = jnp.promote_types(dtype, _F32)
-    return (ct.astype(wide) * factor.astype(wide)).astype(dtype)
 
 
 def _like(ct: Any, value: Any) -> Any:

@@ -21,16 +21,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad
+from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, rescale
 
 _F32 = jnp.float32
 
 
 def _rescaled(g: ScaledGrad, target: jax.Array) -> jax.Array:
-    """``g.value · (target / g.scale)`` formed in fp32 (or wider), in ``g.value``'s dtype."""
-    wide = jnp.promote_types(g.value.dtype, _F32)
-    factor = (target / jnp.asarray(g.scale, _F32)).astype(wide)
-    return (g.value.astype(wide) * factor).astype(g.value.dtype)
+    """``g.value`` brought from ``g.scale`` to ``target`` (fp32 arithmetic, ``g.value``'s dtype)."""
+    return rescale(g.value, target / jnp.asarray(g.scale, _F32))
 
 
 def _collective(op: Callable[..., Any], grads: Any, axis_name: Any) -> Any:
@@ -94,9 +92,7 @@ def tree_scale(factor: Any, tree: Any) -> Any:
     the values of ``ScaledGrad`` leaves (in fp32, their scale unchanged), plain leaves as they are."""
     def scale(g: Any) -> Any:
         if isinstance(g, ScaledGrad):
-            wide = jnp.promote_types(g.value.dtype, _F32)
-            value = (g.value.astype(wide) * jnp.asarray(factor, wide)).astype(g.value.dtype)
-            return g._replace(value=value)
+            return g._replace(value=rescale(g.value, factor))
         return g * factor
     return jax.tree.map(scale, tree, is_leaf=is_scaled_grad)
 

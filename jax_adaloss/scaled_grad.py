@@ -55,6 +55,16 @@ class ScaledGrad(NamedTuple):
         return out if dtype is None else out.astype(dtype)
 
 
+def rescale(x: Any, factor: Any) -> Any:
+    """``x · factor`` computed in (at least) fp32, returned in ``x``'s dtype (non-float ``x``
+    unchanged)."""
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return x
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return (x.astype(wide) * jnp.asarray(factor).astype(wide)).astype(dtype)
+
+
 def is_scaled_grad(x: Any) -> bool:
     """``is_leaf`` predicate that stops tree traversal at ``ScaledGrad`` nodes."""
     return isinstance(x, ScaledGrad)
