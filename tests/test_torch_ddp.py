@@ -155,3 +155,22 @@ def test_fsdp_is_refused_with_the_remedy(tmp_path):
             torch_bridge.AdaLossScaler(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_unscaling_in_the_backward_gives_the_gradients_unscale_gives_bitwise():
+    """The mode DDP uses, in one process: the same layer decisions and, after ``unscale_``, the
+    same gradients as unscaling after the backward, also when two backwards accumulate."""
+    results = []
+    for flag in (False, True):
+        model, ids, labels = _problem()
+        scaler = torch_bridge.AdaLossScaler(model, unscale_in_backward=flag)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for half in (slice(0, 2), slice(2, 4)):  # two micro-batches into one .grad
+            scaler.scale(_loss(model, ids[half], labels[half], 1e-4)).backward()
+        scaler.unscale_(opt)
+        results.append((_grads(model, 1.0), {k: float(r.scale) for k, r in scaler.layer_reports().items()},
+                        {k: float(s) for k, s in scaler.grad_scales().items()}))
+    (g0, s0, c0), (g1, s1, c1) = results
+    assert s0 == s1 and set(c1.values()) == {1.0} and set(c0.values()) != {1.0}
+    for n in g0:
+        np.testing.assert_array_equal(g0[n], g1[n], err_msg=n)
