@@ -82,8 +82,7 @@ def tree_add(*trees: Any) -> Any:
         value = sum((_rescaled(g, common) for g in gs[1:]), _rescaled(gs[0], common))
         signals = [g.underflow for g in gs if g.underflow is not None]
         underflow = None if not signals else _max(signals)
-        return ScaledGrad.of(value.astype(gs[0].value.dtype), common, underflow,
-                             _max([g.mismatch() for g in gs]))
+        return ScaledGrad.of(value, common, underflow, _max([g.mismatch() for g in gs]))
     return jax.tree.map(add, *trees, is_leaf=is_scaled_grad)
 
 
