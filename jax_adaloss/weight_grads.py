@@ -66,10 +66,20 @@ def dot_weight_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: in
     # g's layout: batch dims, lhs's kept dims, rhs's kept dims
     first = nb if w == 1 else nb + len(w_kept)
     g_act = list(range(first, first + len(a_kept)))
-    unsorted = [*wb, *w_kept, *(int(d) for d in np.take(wc, np.argsort(ac)))]
-    out = lax.dot_general(g, act, ((g_act, a_kept), (list(range(nb)), list(ab))),
-                          precision=precision, preferred_element_type=_F32,
-                          out_sharding=_permuted_sharding(weight, unsorted))
+    from_act = [int(d) for d in np.take(wc, np.argsort(ac))]  # w's dims matched by act's, in act's order
+    batch = (list(range(nb)), list(ab))
+    if w == 1:
+        # act first, as jax's own transpose: the result comes in the weight's axis order for a
+        # dense layer, and XLA:CPU hands it to its fast matmul (gᵀ·act went to a slower one)
+        unsorted = [*wb, *from_act, *w_kept]
+        out = lax.dot_general(act, g, ((a_kept, g_act), batch[::-1]), precision=precision,
+                              preferred_element_type=_F32,
+                              out_sharding=_permuted_sharding(weight, unsorted))
+    else:
+        unsorted = [*wb, *w_kept, *from_act]
+        out = lax.dot_general(g, act, ((g_act, a_kept), batch), precision=precision,
+                              preferred_element_type=_F32,
+                              out_sharding=_permuted_sharding(weight, unsorted))
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
 
