@@ -763,7 +763,13 @@ def _settled(x: Any) -> Any:
     into each elementwise fusion that reads a scale: compile and step time grow with the square
     of the depth. (``lax.optimization_barrier`` does not do it: XLA:CPU removes it before
     fusion; a reduction of identical values is simplified away.)"""
-    return jax.tree.map(lambda v: jnp.max(v * jnp.array([1.0, 0.5], _F32)), x)
+    leaves, tree = jax.tree.flatten(x)
+    halves = jnp.array([1.0, 0.5], _F32)
+    if len(leaves) == 1:
+        return jax.tree.unflatten(tree, [jnp.max(leaves[0] * halves)])
+    # several scales (a decision's own and its outgoing one): one reduction, fewer kernels
+    out = jnp.max(jnp.stack(leaves)[:, None] * halves, axis=1)
+    return jax.tree.unflatten(tree, [out[i] for i in range(len(leaves))])
 
 
 def _stored(x: Any) -> Any:

@@ -88,3 +88,5 @@ def test_settled_scales_are_unchanged() -> None:
     s = jnp.asarray([0.0, 2.0**-126, 1.0, 3.0, 2.0**40, 3.4e38, np.inf], jnp.float32)
     got = jax.jit(lambda v: jnp.stack([_settled(x) for x in v]))(s)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(s))
+    pairs = jax.jit(lambda v: [_settled((a, b)) for a, b in zip(v, v[::-1])])(s)  # one reduction each
+    np.testing.assert_array_equal(np.asarray(pairs), np.stack([np.asarray(s), np.asarray(s)[::-1]], 1))

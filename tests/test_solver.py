@@ -8,6 +8,7 @@ before bounds is 2^-24 / (σ · 1.25331e-3) = 4.75579e-5 / σ.
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,18 @@ def test_pow2_floor_is_exact():
     x = jnp.asarray([1.0, 1.5, 2.0, 3.999, 2.0**-30, 2.0**100, 6e-8], jnp.float32)
     out = np.asarray(solver.pow2_floor(x, jnp))
     np.testing.assert_array_equal(out, [1.0, 1.0, 2.0, 2.0, 2.0**-30, 2.0**100, 2.0**-24])
+
+
+def test_pow2_floor_from_bits_equals_frexp_ldexp_on_every_kind_of_float():
+    # JAX takes the exponent bits; the definition (and torch) is frexp/ldexp: same numbers for
+    # normals of either sign, 0, ±inf, NaN and (flushed by XLA) subnormals
+    rng = np.random.default_rng(0)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-40, 2.0**-126, 3.4e38, -3.0]
+    bits = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = jnp.asarray(np.concatenate([np.asarray(special, np.float32), bits]))
+    got = jax.jit(lambda v: solver.pow2_floor(v, jnp))(x)
+    want = jax.jit(lambda v: jnp.ldexp(jnp.ones_like(v), jnp.frexp(v)[1] - 1))(x)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 def test_predicted_underflow_matches_threshold_at_the_raw_scale():
