@@ -169,7 +169,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         backoff_f, lift_f = backoff if backoff is not None else (None, None)
         outs, cts, report, signals = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
                                                      capture_cotangents, adaptive, fp32_backward,
-                                                     backoff_f, lift_f)
+                                                     backoff_f, lift_f, report=return_report)
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
         grad_leaves: list[Any] = list(flat)
         for i, d, ct, origin in zip(dyn, diff, cts, origins):

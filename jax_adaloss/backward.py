@@ -398,8 +398,10 @@ class _Sweep:
 
     def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
                  capture: bool = False, adaptive: bool = True, fp32: bool = False,
-                 backoff: Any = None, lift: Any = None) -> None:
+                 backoff: Any = None, lift: Any = None, reporting: bool = True) -> None:
         self.tape, self.config, self.fp32 = tape, config, fp32
+        # per-layer reports (predicted underflow, held flags...): traced only when asked for
+        self.reporting = reporting
         self.backoff = backoff  # 2^-h (fp32) from the back-off state, or None
         self.lift = lift or {}  # weight name -> 2^k (fp32) from the lift state
         # id(scale) -> (scale, the layer decisions that set it): a decision's scale passes
@@ -554,7 +556,8 @@ class _Sweep:
             sub = _Tape(self.config, regions=True, remat=False)  # the body is re-run already
             slots = _body_slots(sub, r, c_i, x_i)
             ins, outs = slots[:len(r.inputs)], slots[len(r.inputs):]
-            sweep = _Sweep(sub, self.config, None, adaptive=True, backoff=self.backoff, lift=self.lift)
+            sweep = _Sweep(sub, self.config, None, adaptive=True, backoff=self.backoff, lift=self.lift,
+                           reporting=self.reporting)
             sweep.run([(outs[j], ct, s) for j, ct, s in zip(carry_js, cts, scales)]
                       + [(outs[j], ct, seeds[j][1]) for j, ct in zip(ys_js, y_cts)])
             new = [_or_zero(sweep.take(ins[nc + j]), c_i[j], jnp.result_type(c_i[j])) for j in carry_js]
@@ -667,9 +670,10 @@ class _Sweep:
         if node.wgt >= 0:
             w_ct = self._weight_grad(node, g)
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
-        pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-        held = _any([self.limited[n] for n in sorted(behind)])
-        self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
+        if self.reporting:
+            pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
+            held = _any([self.limited[n] for n in sorted(behind)])
+            self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
 
     def _weight_grad(self, node: _Node, g: Any) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
@@ -697,8 +701,9 @@ class _Sweep:
         d = d._replace(scale=scale)
         (ct,) = node.vjp([_rescale(g, d.scale)])
         self.cts[node.ins[0]].append((ct, outgoing))
-        pred = solver.predicted_underflow_lognormal(cfg, ls, d.scale, jax.scipy.special.erf, jnp)
-        self._report(node, d, incoming, outgoing, pred, ls.absmax)
+        if self.reporting:
+            pred = solver.predicted_underflow_lognormal(cfg, ls, d.scale, jax.scipy.special.erf, jnp)
+            self._report(node, d, incoming, outgoing, pred, ls.absmax)
 
     def _report(self, node: _Node, d: solver.LayerScale, incoming: Any, outgoing: Any,
                 pred: Any, absmax: Any, held: Any = False) -> None:
@@ -843,7 +848,8 @@ def _zero_ct(value: Any) -> Any:
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Sequence[bool],
                     origins: Sequence[str | None], config: AdaLossConfig,
                     cache: ScaleCache | None, capture: bool = False, adaptive: bool = True,
-                    fp32: bool = False, backoff: Any = None, lift: dict[str, Any] | None = None
+                    fp32: bool = False, backoff: Any = None, lift: dict[str, Any] | None = None,
+                    report: bool = True
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any]]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
@@ -854,7 +860,9 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     (one global scale: ``init_scale``); with ``fp32=True`` too, every cotangent is computed
     in fp32 (the 16-bit forward's exact gradient, a reference for measurements). ``backoff``
     (``2^-h``, fp32, or None) lowers every decision's target range; ``lift`` (weight name ->
-    ``2^k``) raises the statistical scale of that weight's layer decisions. Returns the
+    ``2^k``) raises the statistical scale of that weight's layer decisions. ``report=False``
+    leaves the per-layer reports out (the caller discards them: less to trace and compile;
+    the report's ``layers`` are then empty). Returns the
     outputs, ``(cotangent, scale)`` (or ``None``: not differentiated, or unused) per flat
     argument, the report, and per weight the underflow ratio its decisions left
     (:meth:`_Sweep.underflow_signals`; empty without ``config.underflow_feedback``).
@@ -868,7 +876,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
         tape.warn_coverage(f"weight leaves under {', '.join(names)}" if names else "no weight leaves")
     outs = [tape.values[s] for s in out_slots]
     sweep = _Sweep(tape, config, cache, capture, adaptive, fp32=fp32 and not adaptive,
-                   backoff=backoff, lift=lift)
+                   backoff=backoff, lift=lift, reporting=report)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))

@@ -90,3 +90,39 @@ def test_settled_scales_are_unchanged() -> None:
     np.testing.assert_array_equal(np.asarray(got), np.asarray(s))
     pairs = jax.jit(lambda v: [_settled((a, b)) for a, b in zip(v, v[::-1])])(s)  # one reduction each
     np.testing.assert_array_equal(np.asarray(pairs), np.stack([np.asarray(s), np.asarray(s)[::-1]], 1))
+
+
+class _Carried(nn.Module):
+    @nn.compact
+    def __call__(self, h: jax.Array, _: None) -> tuple[jax.Array, None]:
+        return _Block()(h), None
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        stack = nn.scan(_Carried, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        h, _ = stack()(nn.Dense(16, dtype=F16)(x), None)
+        return nn.Dense(4, dtype=F16)(h).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_reports_are_traced_only_when_asked_for(scanned: bool) -> None:
+    # the per-layer reports (predicted underflow: an erf each) cost trace and compile time;
+    # without return_report they are left out, and the gradients are bitwise the same
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 12)), F16)
+    model = _Scanned() if scanned else _Stack(3)
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p: dict) -> jax.Array:
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    plain = jax_adaloss.value_and_grad(loss)
+    reported = jax_adaloss.value_and_grad(loss, return_report=True)
+    erfs = {name: str(jax.make_jaxpr(f)(params)).count(" erf ") for name, f in
+            (("plain", plain), ("reported", reported))}
+    assert erfs["plain"] == 0 < erfs["reported"], erfs
+    (v1, g1), ((v2, g2), report) = jax.jit(plain)(params), jax.jit(reported)(params)
+    assert len(report.layers) >= 4 and float(v1) == float(v2)  # scanned: stacked per layer
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
