@@ -53,8 +53,8 @@ def dot_weight_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: in
     The transpose of a ``dot_general`` with respect to one operand is a ``dot_general`` of
     the output cotangent with the other operand: contract ``g``'s dimensions that came from
     ``act``'s kept (free) dimensions with those, keep the batch dimensions batched, and
-    permute the result (batch, ``w``'s kept dimensions, ``act``'s contracting dimensions) to
-    ``w``'s axis order. Under a mesh with explicit axes the result is sharded like ``weight``.
+    permute the result to ``w``'s axis order. Under a mesh with explicit axes the result is
+    sharded like ``weight``.
     """
     w_ndim = np.ndim(weight)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -69,17 +69,13 @@ def dot_weight_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: in
     from_act = [int(d) for d in np.take(wc, np.argsort(ac))]  # w's dims matched by act's, in act's order
     batch = (list(range(nb)), list(ab))
     if w == 1:
-        # act first, as jax's own transpose: the result comes in the weight's axis order for a
-        # dense layer, and XLA:CPU hands it to its fast matmul (gᵀ·act went to a slower one)
-        unsorted = [*wb, *from_act, *w_kept]
-        out = lax.dot_general(act, g, ((a_kept, g_act), batch[::-1]), precision=precision,
-                              preferred_element_type=_F32,
-                              out_sharding=_permuted_sharding(weight, unsorted))
+        # act first (jax's transpose puts g first): the result comes in a dense kernel's axis
+        # order, and XLA:CPU hands the dot to its fast matmul (g first: Eigen, both operands transposed)
+        operands, dims, unsorted = (act, g), ((a_kept, g_act), batch[::-1]), [*wb, *from_act, *w_kept]
     else:
-        unsorted = [*wb, *w_kept, *from_act]
-        out = lax.dot_general(g, act, ((g_act, a_kept), batch), precision=precision,
-                              preferred_element_type=_F32,
-                              out_sharding=_permuted_sharding(weight, unsorted))
+        operands, dims, unsorted = (g, act), ((g_act, a_kept), batch), [*wb, *w_kept, *from_act]
+    out = lax.dot_general(*operands, dims, precision=precision, preferred_element_type=_F32,
+                          out_sharding=_permuted_sharding(weight, unsorted))
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
 
