@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from adaloss_study.commands import benchmark_command
+
 _FLAGS = ("blocks", "dim", "heads", "seq", "batch", "vocab", "repeats", "steps", "train_blocks", "layouts")
 
 
 def command(args: dict[str, Any]) -> str:
     """The command line that wrote a JSON with these ``args``."""
-    flags = []
-    for k in _FLAGS:
-        v = args[k]
-        flags.append(f"--{k.replace('_', '-')} " + (" ".join(map(str, v)) if isinstance(v, list) else str(v)))
-    return f"python benchmarks/depth.py {' '.join(flags)} --json {args['json']}"
+    return benchmark_command("benchmarks/depth.py", _FLAGS, args)
 
 
 def torch_table(rows: list[dict[str, Any]]) -> str:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from adaloss_study.commands import benchmark_command
+
 _FLAGS = ("blocks", "dim", "seq", "per_device", "factor", "repeats", "steps", "frameworks")
 
 
 def command(args: dict[str, Any]) -> str:
     """The command line that wrote a JSON with these ``args``."""
-    flags = [f"--{k.replace('_', '-')} " + (" ".join(map(str, args[k])) if isinstance(args[k], list)
-                                            else str(args[k])) for k in _FLAGS]
-    return f"python benchmarks/data_parallel.py {' '.join(flags)} --json {args['json']}"
+    return benchmark_command("benchmarks/data_parallel.py", _FLAGS, args)
 
 
 def table(jx: dict[str, Any]) -> str:
