@@ -149,8 +149,9 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
                       f"{result['parameters']:,} parameters; {result['machine']}.", "",
                       overhead_table(result), ""]
     parts += _zoo(out / "zoo.json")
-    from adaloss_study import depth_tables, parallel_tables
+    from adaloss_study import cost_tables, depth_tables, parallel_tables
     parts += _benchmark(out / "depth.json", depth_tables.section)
+    parts += _benchmark(out / "cost_breakdown.json", cost_tables.section)
     parts += _benchmark(out / "data_parallel.json", parallel_tables.section)
     path = out / "results.md"
     path.write_text("\n".join(parts))

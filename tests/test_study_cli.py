@@ -222,6 +222,29 @@ def test_depth_benchmark_runs_every_layout(tmp_path, capsys):
     assert page.startswith("## Depth") and "| 1 | scanned |" in page and "AdaLossScaler" in page
 
 
+def test_cost_breakdown_removes_one_part_per_variant(tmp_path, capsys):
+    """benchmarks/cost_breakdown.py: each variant's patches take effect (the optimised HLO shrinks
+    with every part taken out, so a renamed internal cannot leave a variant measuring adaloss)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import cost_breakdown
+
+    rows = cost_breakdown.main(["--blocks", "1", "--layouts", "unrolled", "--dim", "16", "--heads", "2",
+                                "--seq", "8", "--batch", "2", "--vocab", "32", "--compiles", "1",
+                                "--repeats", "1", "--steps", "1", "--json", str(tmp_path / "c.json")])
+    (row,) = rows
+    names = [v["name"] for v in row["variants"]]
+    assert names == ["jax"] + [name for name, _ in cost_breakdown.ABLATIONS]
+    ops = [v["hlo_ops"] for v in row["variants"][1:-1]]  # adaloss .. "- rescales"
+    assert all(a > b for a, b in zip(ops, ops[1:])), dict(zip(names[1:], ops))
+    assert all(v["compile_s"] > 0 and v["step_ms"] > 0 for v in row["variants"])
+    from adaloss_study.cost_tables import section
+    page = "\n".join(section(json.loads((tmp_path / "c.json").read_text())))
+    assert page.startswith("## Where the JAX overhead goes") and "| 1 | unrolled | - decisions |" in page
+    assert "--compiles 1" in page and "| 1 | unrolled | - decisions |" in capsys.readouterr().out
+
+
 def test_data_parallel_benchmark_counts_the_all_reduces(tmp_path):
     """benchmarks/data_parallel.py on 4 CPU devices (its own process: the device count is set
     before JAX starts), tiny sizes, JAX only (test_torch_ddp runs DDP)."""
