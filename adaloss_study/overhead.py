@@ -87,12 +87,13 @@ def measure(framework: str, cfg: RunConfig, task: Task, methods: tuple[str, ...]
             rounds[m].append(1e3 * (time.perf_counter() - t0) / steps)
     median = {m: statistics.median(v) for m, v in rounds.items()}
     return {"framework": framework, "task": task.name, "parameters": n_params, "steps": steps,
-            "repeats": repeats, "machine": _machine(framework), "ms_per_step": rounds,
+            "repeats": repeats, "machine": machine(framework), "ms_per_step": rounds,
             "median_ms": median, "warmup_s": warmup_s,
             "ratio": {m: median[m] / median[BASELINE] for m in methods}}
 
 
-def _machine(framework: str) -> str:
+def machine(framework: str = "jax") -> str:
+    """What ran a measurement: the framework's version, its device kind or threads, the CPU architecture."""
     if framework == "torch":
         import torch
         return f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}"

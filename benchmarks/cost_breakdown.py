@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import platform
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from depth import LM, _compile, _time
+from depth import LM, _compile, _time, add_model_arguments, write_json
 from tqdm import tqdm
 
 import jax_adaloss
 from adaloss import solver
 from adaloss_study.cost_tables import table
+from adaloss_study.overhead import machine
 from jax_adaloss import backward
 
 _F32 = jnp.float32
@@ -136,11 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"), default=["unrolled", "scanned"])
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_arguments(ap)
     ap.add_argument("--compiles", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
@@ -151,13 +145,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows.append(measure(b, layout == "scanned", args.vocab, args.dim, args.heads, args.seq, args.batch,
                             args.compiles, args.repeats, args.steps))
         tqdm.write(table(rows[-1:]))
-    machine = f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}"
-    print(f"{machine}; dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios against jax.value_and_grad")
+    print(f"{machine()}; dim {args.dim}, seq {args.seq}, batch {args.batch}; "
+          "ratios against jax.value_and_grad")
     print(table(rows))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows,
-                                         "machine": machine, "date": time.strftime("%Y-%m-%d")}, indent=1))
+    write_json(args, rows)
     return rows
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import statistics
 import time
@@ -42,6 +41,7 @@ from tqdm import tqdm
 
 import jax_adaloss
 from adaloss_study.depth_tables import table, torch_table
+from adaloss_study.overhead import machine
 
 F16 = jnp.float16
 
@@ -223,11 +223,7 @@ def measure_torch(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 8, 16, 32])
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_arguments(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--train-blocks", type=int, default=16,
@@ -247,17 +243,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                             args.repeats, args.steps, train=b <= args.train_blocks,
                             scanned=layout == "scanned"))
         tqdm.write(table(rows[-1:]).splitlines()[-1])
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}; "
-          f"dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios are adaloss / baseline")
+    print(f"{machine()}; dim {args.dim}, seq {args.seq}, batch {args.batch}; ratios are adaloss / baseline")
     print(table([r for r in rows if r["layout"] != "torch"]))
     if any(r["layout"] == "torch" for r in rows):
         print(torch_table([r for r in rows if r["layout"] == "torch"]))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        machine = f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {platform.machine()}"
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows,
-                                         "machine": machine}, indent=1))
+    write_json(args, rows)
     return rows
+
+
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The LM's size and batch (``--vocab --dim --heads --seq --batch``), with this benchmark's defaults."""
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+
+
+def write_json(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """``{"args", "rows", "machine", "date"}`` to ``args.json`` (if given), which the results page reads."""
+    if args.json is None:
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows,
+                                     "machine": machine(), "date": time.strftime("%Y-%m-%d")}, indent=1))
 
 
 if __name__ == "__main__":
