@@ -19,8 +19,8 @@ import numpy as np
 StatModel = Literal["product", "output", "gradient"]
 STAT_MODELS: tuple[str, ...] = ("product", "output", "gradient")
 
-#: Gradient number formats, by name: the format of the cotangents the decisions govern
-#: (a cotangent in another 16-bit format is refused). fp8 formats are not offered: no
+#: Gradient number formats by name, the format of the cotangents the decisions govern
+#: (a cotangent in another 16-bit format is refused). fp8 formats are not offered since no
 #: cotangent is ever stored in fp8, so their limits would describe nothing.
 GRAD_FORMATS: dict[str, type] = {
     "float16": np.float16,

@@ -62,7 +62,7 @@ class Coverage(NamedTuple):
         weights, the other from data that needs a gradient).
       opaque_regions: regions whose inside gets no per-layer scale: in JAX
         ``scan``/``while``/``cond`` or custom-rule bodies holding matmuls; in torch
-        ``torch.compile``d regions, reentrant checkpoints and custom autograd
+        regions compiled with ``torch.compile``, reentrant checkpoints and custom autograd
         Functions that use parameters.
     """
 
@@ -108,7 +108,7 @@ class LayerUnderflow(NamedTuple):
       carried: fraction of the entries, non-zero in the reference, that the low-precision
         backward holds below ``u_min`` (as carried, scaled). It exceeds ``measured`` by what
         the low-precision arithmetic loses at any scale: e.g. fp16's ``tanh`` saturates at
-        |x| ≳ 4.5, so the derivative of the tanh-approximated GELU is exactly 0 there in
+        ``|x| ≳ 4.5``, so the derivative of the tanh-approximated GELU is exactly 0 there in
         fp16 (tiny, non-zero in fp32), and those entries are zero whatever the scale.
     """
 

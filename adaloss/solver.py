@@ -153,7 +153,7 @@ def model_sigma(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     return sigma
 
 
-#: fp32's largest finite value: a statistical scale beyond it saturates here (the caps decide)
+#: fp32's largest finite value; a statistical scale beyond it saturates here (the caps decide)
 F32_MAX = 3.4028234663852886e38
 _LOG_SATURATE = 88.0  # exp(88) ≈ 1.65e38 < F32_MAX: a log-scale above it saturates
 
@@ -309,7 +309,7 @@ def cast_scale(config: AdaLossConfig, ls: LogStats, incoming: Array, xp: Any,
     return _decide(config, s_model, cap, incoming, ls.std, xp, backoff)
 
 
-#: Most back-off steps: the target range may move down by at most 2^-MAX_BACKOFF.
+#: Most back-off steps; the target range may move down by at most 2^-MAX_BACKOFF.
 MAX_BACKOFF = 24
 
 
@@ -342,11 +342,11 @@ def backoff_update(config: AdaLossConfig, h: Array, good: Array, finite: Array, 
     return h, xp.where(recover, zero, good)
 
 
-#: Largest lift exponent: the statistical scales may rise by at most 2^MAX_LIFT.
+#: Largest lift exponent; the statistical scales may rise by at most 2^MAX_LIFT.
 MAX_LIFT = 10
-#: The lift rises while the measured fraction exceeds LIFT_AIM·T (below T: the fraction varies
-#: from batch to batch) and falls when it is below LIFT_AIM·T / LIFT_BAND (hysteresis: one step
-#: down at most doubles the fraction, so it cannot cross the aim at once)
+#: The lift rises while the measured fraction exceeds LIFT_AIM·T (below T, since the fraction
+#: varies from batch to batch) and falls when it is below LIFT_AIM·T / LIFT_BAND (hysteresis; one
+#: step down at most doubles the fraction, so it cannot cross the aim at once)
 LIFT_AIM = 0.5
 LIFT_BAND = 16.0
 

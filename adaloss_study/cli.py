@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--accum-bound", type=float, default=None, help="AdaLossConfig.accum_bound")
     ap.add_argument("--layer-bound", type=float, default=None, help="AdaLossConfig.layer_bound")
     ap.add_argument("--update-every", type=int, default=None, help="AdaLossConfig.update_every")
+    ap.add_argument("--no-underflow-feedback", dest="underflow_feedback", action="store_const", const=False,
+                    default=None, help="AdaLossConfig.underflow_feedback=False: the statistical model alone")
     ap.add_argument("--overhead", action="store_true",
                     help="time fp16, dynamic and adaloss-product alternately on the task's model "
                          "(--repeats rounds of --steps steps) and write <out>/overhead.json")
@@ -62,7 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("study_out"))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--gallery", action="store_true",
-                    help="run the failure-case gallery and write <out>/results.md (e.g. --out docs)")
+                    help="run the failure-case gallery and write <out>/results.md; with --out docs (in the "
+                         "repository) also the generated numbers of README.md and docs/*.md")
+    ap.add_argument("--docs", action="store_true",
+                    help="rewrite the generated numbers of README.md and docs/*.md (in the current "
+                         "directory) from docs/*.json and the gallery's study.json files")
     ap.add_argument("--reuse", action="store_true",
                     help="with --gallery: read the cases' existing study.json instead of rerunning")
     return ap
@@ -103,7 +109,8 @@ def _table(rows: dict[str, list[dict[str, float]]]) -> str:
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
-    overrides = {k: getattr(args, k) for k in ("u_min", "accum_bound", "layer_bound", "update_every")
+    overrides = {k: getattr(args, k) for k in ("u_min", "accum_bound", "layer_bound", "update_every",
+                                                  "underflow_feedback")
                  if getattr(args, k) is not None}
     return RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
                      lr=args.lr, loss_factor=args.loss_factor, adam_eps=args.adam_eps,
@@ -169,12 +176,23 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.docs:
+        from adaloss_study import doc_blocks
+
+        changed = doc_blocks.refresh_all(Path.cwd())
+        print("rewrote " + (", ".join(map(str, changed)) if changed else "nothing: every block is current"))
+        return 0
     if args.gallery:
         from adaloss_study import gallery
 
         path = gallery.write_results(args.out, lambda extra: _dispatch(_parser().parse_args(extra)),
                                      gallery.CASES, reuse=args.reuse, overhead=gallery.OVERHEAD)
         print(f"wrote {path}")
+        if args.out.resolve() == (Path.cwd() / "docs").resolve():  # the repository's own pages
+            from adaloss_study import doc_blocks
+
+            for page in doc_blocks.refresh_all(Path.cwd()):
+                print(f"rewrote the generated numbers of {page}")
         return 0
     _dispatch(args)
     return 0

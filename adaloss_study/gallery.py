@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,19 @@ CASES = (
          ("--framework", "torch"),
          "The default run with the PyTorch bridge and torch's own GradScaler."),
 )
+
+
+def slug(title: str) -> str:
+    """The anchor GitHub and MyST (``myst_heading_anchors``) give a heading: lower case, the
+    characters other than letters, digits, ``_``, ``-`` and spaces dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def case_anchor(name: str) -> str:
+    """The anchor of a study case's section on the results page."""
+    return slug(next(c.title for c in CASES if c.name == name))
+
+
 ADALOSS = ("adaloss-product", "adaloss-output", "adaloss-gradient")
 OVERHEAD = (
     Case("overhead-jax", "JAX: adaloss vs jmp.DynamicLossScale", ("--overhead",),
@@ -126,7 +140,7 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
         argv, record = _run_case(out, case, "study.json", run, reuse)
         records[case.name] = record
         rel = Path(case.name)
-        parts += [f'<a id="{case.name}"></a>', "", f"## {case.title}", "", case.question, "",
+        parts += [f"## {case.title}", "", case.question, "",
                   f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
                   f"![loss]({rel / 'loss.png'}) ![underflow]({rel / 'underflow.png'})", ""]
         heat = out / case.name / "scales_adaloss-product.png"
@@ -208,7 +222,7 @@ def _paired(record: dict[str, Any], method: str, ref: str = "fp32") -> str:
 def _overview(records: dict[str, dict[str, Any]]) -> list[str]:
     """One line per case: val loss relative to fp32 at the same seed (mean over seeds)."""
     methods = ("fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only", "largest-safe")
-    rows = [f"| [{name}](#{name}) | {len(next(iter(r['summary'].values())))} | "
+    rows = [f"| [{name}](#{case_anchor(name)}) | {len(next(iter(r['summary'].values())))} | "
             + " | ".join(_paired(r, m) for m in methods) + " |" for name, r in records.items()]
     return ["## Overview", "",
             "Final val loss relative to fp32 at the same seed (same initialisation and batches), mean "

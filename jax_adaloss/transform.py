@@ -127,7 +127,7 @@ def adaloss(config: AdaLossConfig | None = None,
     """Unscale per-leaf scaled gradients in fp32 and skip non-finite steps.
 
     Args:
-      config: the :class:`AdaLossConfig` of the backward (its ``backoff_interval``;
+      config: the :class:`~adaloss.config.AdaLossConfig` of the backward (its ``backoff_interval``;
         unscaling needs only the scales the gradients carry).
       inner: optional transformation to run on the unscaled gradients with a
         guaranteed skip (see the module docstring).

@@ -76,7 +76,7 @@ class NodePlan:
     """What the node at position ``index`` of the plan does to scales (``sym``: scale symbols).
 
     Static: the same for every graph of one structure; the node objects of a
-    particular graph are in :attr:`ScalePlan.nodes`.
+    particular graph are in ``ScalePlan.nodes``.
     """
 
     index: int

@@ -1,0 +1,243 @@
+"""The measured numbers of ``README.md`` and ``docs/*.md``, written from the generated files.
+
+A page holds a number only inside a block
+
+    <!-- generated: NAME -->
+    ...
+    <!-- end generated -->
+
+whose text is ``BLOCKS[NAME](docs)``: a function of the committed results alone
+(``docs/<case>/study.json`` from ``adaloss-study --gallery``, ``docs/*.json`` from the
+benchmarks). ``adaloss-study --docs`` rewrites every block after a rerun;
+``tests/test_doc_blocks.py`` fails when a block differs from what its files give. Outside the
+blocks a page may state a measured figure only where the same paragraph names the command that
+measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adaloss_study import gallery
+
+BEGIN = "<!-- generated: {} -->"
+END = "<!-- end generated -->"
+_BLOCK = re.compile(r"<!-- generated: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end generated -->", re.S)
+
+#: the study's cases shown outside the results page, with a short label
+CASE_LABELS = {"default": "JAX, loss ×1e-3", "deep": "JAX, loss ×1e-8", "overflow": "JAX, loss ×1e3",
+               "torch-default": "PyTorch, loss ×1e-3"}
+
+
+def case_link(name: str, page: str = "results.md") -> str:
+    """The link to a study case's section of the results page."""
+    return f"{page}#{gallery.case_anchor(name)}"
+
+
+def _records(docs: Path, names: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
+    cases = [c.name for c in gallery.CASES] if names is None else list(names)
+    return {n: json.loads((docs / n / "study.json").read_text()) for n in cases
+            if (docs / n / "study.json").exists()}
+
+
+def _val(record: dict[str, Any], method: str) -> str:
+    rows = record["summary"].get(method)
+    if not rows:
+        return "–"
+    skipped = int(np.mean([r["skipped"] for r in rows]))
+    return f"{np.mean([r['val_loss'] for r in rows]):.3f}" + (f" ({skipped} skipped)" if skipped else "")
+
+
+def _json(docs: Path, name: str) -> Any:
+    return json.loads((docs / name).read_text())
+
+
+def _zoo_spans(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float, int]]:
+    from adaloss_zoo.tables import ratio
+    out = {}
+    for fw in ("jax", "torch"):
+        r = [ratio(x) for x in rows if x["framework"] == fw and np.isfinite(ratio(x))]
+        out[fw] = (min(r), max(r), len(r))
+    return out
+
+
+def readme_results(docs: Path) -> str:
+    """The README's table: val loss per method in the study's cases, the zoo in one line, the cost."""
+    records = _records(docs, tuple(CASE_LABELS))
+    methods = {"fp32": "fp32", "fp16": "fp16", "static": "static 2^15",
+               "dynamic": "dynamic (GradScaler / jmp)", "adaloss-product": "adaloss"}
+    steps = next(iter(records.values()))["args"]["steps"]
+    lines = ["| val loss after " + f"{steps} steps | " + " | ".join(methods.values()) + " |",
+             "|---|" + "---|" * len(methods)]
+    for name, record in records.items():
+        lines.append(f"| [{CASE_LABELS[name]}]({case_link(name, 'docs/results.md')}) | "
+                     + " | ".join(_val(record, m) for m in methods) + " |")
+    zoo = _json(docs, "zoo.json")
+    spans = _zoo_spans(zoo)
+    oh_jax = _json(docs, "overhead-jax/overhead.json")["ratio"]["adaloss-product"]
+    oh_torch = _json(docs, "overhead-torch/overhead.json")["ratio"]["adaloss-product"]
+    verdict = {fw: "a tie" if lo >= 0.95 and hi <= 1.05 else "ahead" if hi <= 1 else "mixed"
+               for fw, (lo, hi, _) in spans.items()}
+    lines += ["", f"On the [model zoo](docs/does-it-help.md) ({len(zoo)} rows: "
+              f"{len({r['model'] for r in zoo})} third-party models × loss and logit factors, one "
+              "backward each), adaloss's gradient error over the best global scale's is "
+              f"{spans['jax'][0]:.2f}-{spans['jax'][1]:.2f} in JAX ({verdict['jax']}) and "
+              f"{spans['torch'][0]:.2f}-{spans['torch'][1]:.2f} in PyTorch ({verdict['torch']}), with "
+              f"{max(r['adaloss skipped'] for r in zoo)} skipped passes (the dynamic scale from 2^16: "
+              f"up to {max(r['dynamic skipped'] for r in zoo)}). It costs "
+              f"{oh_jax:.2f}× `jmp.DynamicLossScale`'s step time in JAX and {oh_torch:.2f}× "
+              "`torch.amp.GradScaler`'s in PyTorch on this small model (2-core CPU)."]
+    return "\n".join(lines)
+
+
+def study_cases(docs: Path) -> str:
+    """Every study case: final val loss relative to fp32 at the same seed, skipped steps."""
+    records = _records(docs)
+    methods = ("fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only", "largest-safe")
+    lines = ["| case | seeds | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for name, r in records.items():
+        lines.append(f"| [{name}]({case_link(name)}) | {len(next(iter(r['summary'].values())))} | "
+                     + " | ".join(gallery._paired(r, m) for m in methods) + " |")
+    return "\n".join(lines)
+
+
+def zoo_summary(docs: Path) -> str:
+    """The zoo benchmark's summary bullets (``docs/zoo.json``)."""
+    from adaloss_zoo.tables import summary
+    return "\n".join(summary(_json(docs, "zoo.json")))
+
+
+def threshold(docs: Path) -> str:
+    """Measured underflow against T in every case, with and without the measured feedback."""
+    lines = gallery._threshold_summary(_records(docs))[4:]  # the table, without heading and intro
+    ablation = _records(docs, ("no-feedback", "torch-no-feedback"))
+    with_fb = _records(docs, ("default", "torch-default"))
+    rows = []
+    for (name, off), on in zip(ablation.items(), with_fb.values(), strict=True):
+        t = off["config"]["adaloss"]["threshold"]
+        a = gallery._held_rows(off, "adaloss-product")
+        b = gallery._held_rows(on, "adaloss-product")
+        rows.append(f"| {name.replace('no-feedback', '').strip('-') or 'jax'} | "
+                    f"{sum(r <= t for _, r, _, _ in a)} of {len(a)} | {sum(r <= t for _, r, _, _ in b)} of "
+                    f"{len(b)} | {max(r for _, r, _, _ in a):.2e} | {max(r for _, r, _, _ in b):.2e} |")
+    if rows:
+        lines += ["The measured feedback, off (`adaloss-study --methods adaloss-product "
+                  "--no-underflow-feedback --out docs/no-feedback`, and the same with `--framework torch "
+                  "--out docs/torch-no-feedback`) and on (the default and torch-default cases):", "",
+                  "| framework | ≤ T without feedback | ≤ T with feedback | worst without | worst with |",
+                  "|---|---|---|---|---|", *rows]
+    return "\n".join(lines).strip()
+
+
+def cost(docs: Path) -> str:
+    """Step time and compile time against the baselines: the study model, depth, the breakdown."""
+    lines = []
+    for fw, base in (("jax", "jmp.DynamicLossScale"), ("torch", "torch.amp.GradScaler")):
+        r = _json(docs, f"overhead-{fw}/overhead.json")
+        ms = r["median_ms"]
+        lines.append(f"- **{fw}, the study model** ({r['parameters']:,} parameters): "
+                     f"{r['ratio']['adaloss-product']:.2f}× `{base}`'s step time "
+                     f"({ms['adaloss-product']:.1f} against {ms['dynamic']:.1f} ms; `{r['machine']}`).")
+    depth = [r for r in _json(docs, "depth.json")["rows"]]
+    for layout in ("unrolled", "scanned"):
+        rows = [r for r in depth if r["layout"] == layout]
+        if rows:
+            grad = [r["ratio"]["grad_step"] for r in rows]
+            comp = [r["ratio"]["compile"] for r in rows]
+            lines.append(f"- **JAX, {layout}, {rows[0]['blocks']}-{rows[-1]['blocks']} blocks** "
+                         f"(`benchmarks/depth.py`): gradient {min(grad):.2f}-{max(grad):.2f}× "
+                         f"`jax.value_and_grad`, compile {min(comp):.2f}-{max(comp):.2f}×.")
+    torch_rows = [r for r in depth if r["layout"] == "torch"]
+    if torch_rows:
+        step = [r["ratio"]["train_step"] for r in torch_rows]
+        lines.append(f"- **torch CharGPT, {torch_rows[0]['parameters'] / 1e6:.2f}M-"
+                     f"{torch_rows[-1]['parameters'] / 1e6:.2f}M parameters**: "
+                     f"{min(step):.2f}-{max(step):.2f}× `torch.amp.GradScaler`'s training step.")
+    breakdown = _json(docs, "cost_breakdown.json")["rows"]
+    for r in breakdown:
+        v = {x["name"]: x for x in r["variants"]}
+        stats_free = next(x for x in r["variants"] if x["name"] not in ("jax", "adaloss"))
+        lines.append(f"- **Breakdown, {r['blocks']} blocks {r['layout']}** "
+                     f"(`benchmarks/cost_breakdown.py`): gradient "
+                     f"{v['adaloss']['step_ms'] / v['jax']['step_ms']:.2f}× `jax.value_and_grad`, "
+                     f"{stats_free['step_ms'] / v['jax']['step_ms']:.2f}× with every statistic free.")
+    return "\n".join(lines)
+
+
+def departures(docs: Path) -> str:
+    """The default against the paper's settings on the zoo (``docs/departures.json``)."""
+    result = _json(docs, "departures.json")
+    rows = result["rows"]
+    variants = list(dict.fromkeys(v for r in rows for v in r["median"]))
+
+    def cell(r: dict[str, Any], v: str) -> str:
+        if v not in r["median"]:
+            return "–"
+        return f"{r['median'][v]:.3g}" + (f" ({r['skipped'][v]} skipped)" if r["skipped"][v] else "")
+
+    lines = ["| framework | model | loss × | " + " | ".join(variants) + " |",
+             "|---|---|---|" + "---|" * len(variants)]
+    lines += [f"| {r['framework']} | {r['model']} | {r['factor']:g} | "
+              + " | ".join(cell(r, v) for v in variants) + " |" for r in rows]
+    lines.append("")
+    for v in variants[1:]:
+        rel = [r["median"][v] / r["median"]["default"] for r in rows
+               if v in r["median"] and r["median"]["default"] > 0]
+        top = f"{max(rel):.0f}" if max(rel) >= 10 else f"{max(rel):.2f}"
+        lines.append(f"- **{v} / default**: median {np.median(rel):.2f}×, range {min(rel):.2f}-"
+                     f"{top}×; worse than the default by more than 5 % on "
+                     f"{sum(x > 1.05 for x in rel)} of {len(rel)} rows.")
+    return "\n".join(lines)
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {
+    "readme-results": readme_results,
+    "study-cases": study_cases,
+    "zoo-summary": zoo_summary,
+    "threshold": threshold,
+    "cost": cost,
+    "departures": departures,
+}
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """The ``(name, body)`` of every generated block in ``text``."""
+    return [(m["name"], m["body"]) for m in _BLOCK.finditer(text)]
+
+
+def stale(text: str, docs: Path) -> list[str]:
+    """The names of the blocks in ``text`` whose body differs from what the files under ``docs`` give."""
+    return [name for name, body in blocks(text) if name not in BLOCKS or body != BLOCKS[name](docs)]
+
+
+def refresh(text: str, docs: Path) -> str:
+    """``text`` with every generated block rewritten from the files under ``docs``."""
+    def one(m: re.Match[str]) -> str:
+        name = m["name"]
+        if name not in BLOCKS:
+            raise KeyError(f"unknown generated block {name!r}; known: {sorted(BLOCKS)}")
+        return f"{BEGIN.format(name)}\n{BLOCKS[name](docs)}\n{END}"
+    return _BLOCK.sub(one, text)
+
+
+def pages(root: Path) -> list[Path]:
+    """The README and the documentation's pages under ``root``."""
+    return [root / "README.md", *sorted(p for p in (root / "docs").rglob("*.md") if "_build" not in p.parts)]
+
+
+def refresh_all(root: Path) -> list[Path]:
+    """Rewrite the generated blocks of every page under ``root`` (from ``root/docs``); the changed pages."""
+    changed = []
+    for page in pages(root):
+        old = page.read_text()
+        new = refresh(old, root / "docs")
+        if new != old:
+            page.write_text(new)
+            changed.append(page)
+    return changed
