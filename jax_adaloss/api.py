@@ -16,7 +16,7 @@ from adaloss.config import AdaLossConfig
 from jax_adaloss import _nnx
 from jax_adaloss.backward import _is_float, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
-from jax_adaloss.scaled_grad import ScaledGrad
+from jax_adaloss.scaled_grad import ScaledGrad, mark_stateless
 
 CACHE_KWARG = "adaloss_cache"
 STATE_KWARG = "adaloss_state"
@@ -98,7 +98,10 @@ def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool 
     exponents ``k`` (``AdaLossConfig.underflow_feedback``) multiply the statistical scale of
     that weight's layer by ``2^k`` after backwards in which the cotangents it scaled reached
     the next layers with more than ``T/2`` of their entries below ``u_min``. Without it
-    ``h = k = 0``: pass it in a training loop.
+    ``h = k = 0``, and the gradient leaves are :class:`~jax_adaloss.StatelessScaledGrad`,
+    which :func:`jax_adaloss.adaloss` refuses at trace time with this remedy (so that a training
+    loop cannot skip every step silently); ``adaloss_state=None`` says that there is no state to
+    pass (measurements, or training without back-off).
     """
     return _value_and_grad(fun, argnums, has_aux, config, allow_int, return_report, capture_cotangents,
                            adaptive=True, weights=weights, wrt=wrt)
@@ -190,6 +193,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         cache: ScaleCache | None = kwargs.pop(CACHE_KWARG, None)
+        told = STATE_KWARG in kwargs  # adaloss_state=None: training without back-off, said so
         backoff = _state_levels(kwargs.pop(STATE_KWARG, None))
         n = len(args)
         for a in nums:
@@ -205,6 +209,8 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
             value, aux, grads_args, report = core(fun, args, kwargs, pos, wpos or pos[:1], cache, has_aux,
                                                   backoff)
         grads = grads_args[pos[0]] if single else tuple(grads_args[a] for a in pos)
+        if not told:
+            grads = mark_stateless(grads)
         result = ((value, aux), grads) if has_aux else (value, grads)
         return (result, report) if return_report else result
 

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, rescale
+from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, kind_of, rescale
 
 _F32 = jnp.float32
 
@@ -49,7 +49,7 @@ def _collective(op: Callable[..., Any], grads: Any, axis_name: Any) -> Any:
         agreed = jax.lax.pmin(local, axis_name)
         values = op([_rescaled(g, agreed[k, 0]) for k, g in enumerate(gs)], axis_name)
         for k, (i, v, s) in enumerate(zip(scaled, values, has_signal)):
-            out[i] = ScaledGrad.of(v, agreed[k, 0], -agreed[k, 1] if s else None, -agreed[k, 2])
+            out[i] = kind_of(gs[k]).of(v, agreed[k, 0], -agreed[k, 1] if s else None, -agreed[k, 2])
     return jax.tree.unflatten(treedef, out)
 
 
@@ -82,7 +82,7 @@ def tree_add(*trees: Any) -> Any:
         value = sum((_rescaled(g, common) for g in gs[1:]), _rescaled(gs[0], common))
         signals = [g.underflow for g in gs if g.underflow is not None]
         underflow = None if not signals else _max(signals)
-        return ScaledGrad.of(value, common, underflow, _max([g.mismatch() for g in gs]))
+        return kind_of(*gs).of(value, common, underflow, _max([g.mismatch() for g in gs]))
     return jax.tree.map(add, *trees, is_leaf=is_scaled_grad)
 
 

@@ -55,6 +55,28 @@ class ScaledGrad(NamedTuple):
         return out if dtype is None else out.astype(dtype)
 
 
+class StatelessScaledGrad(ScaledGrad):
+    """A :class:`ScaledGrad` from a backward given no ``adaloss_state``: its decisions could not
+    see :func:`jax_adaloss.adaloss`'s back-off, so an overflow that repeats would skip every step.
+    :func:`jax_adaloss.adaloss` refuses it at trace time, with the remedy; pass
+    ``adaloss_state=opt_state`` to the backward (or ``adaloss_state=None`` to say that training
+    runs without back-off). Tree operations and :func:`jax_adaloss.tree_add` /
+    :func:`jax_adaloss.pmean` keep the type."""
+
+    __slots__ = ()
+
+
+def kind_of(*grads: ScaledGrad) -> type[ScaledGrad]:
+    """The type a combination of ``grads`` keeps: stateless if any of them is."""
+    return StatelessScaledGrad if any(isinstance(g, StatelessScaledGrad) for g in grads) else ScaledGrad
+
+
+def mark_stateless(tree: Any) -> Any:
+    """``tree`` with every :class:`ScaledGrad` made a :class:`StatelessScaledGrad`."""
+    return jax.tree.map(lambda g: StatelessScaledGrad(*g) if isinstance(g, ScaledGrad) else g, tree,
+                        is_leaf=is_scaled_grad)
+
+
 def rescale(x: Any, factor: Any) -> Any:
     """``x · factor`` computed in (at least) fp32, returned in ``x``'s dtype (non-float ``x``
     unchanged)."""

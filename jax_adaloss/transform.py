@@ -26,7 +26,7 @@ import optax
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad
+from jax_adaloss.scaled_grad import ScaledGrad, StatelessScaledGrad, is_scaled_grad
 
 
 class AdaLossState(NamedTuple):
@@ -72,6 +72,21 @@ class AdaLossState(NamedTuple):
 
 def _one(_: Any) -> jax.Array:
     return jnp.ones((), jnp.float32)
+
+
+def _refuse_stateless(updates: Any) -> None:
+    """Raise (at trace time: the marker is a type) on gradients whose backward had no
+    ``adaloss_state``: their decisions cannot back off, and an overflow that repeats would skip
+    every step without a word."""
+    leaves = jax.tree.leaves(updates, is_leaf=is_scaled_grad)
+    if any(isinstance(g, StatelessScaledGrad) for g in leaves):
+        raise ValueError(
+            "adaloss(): these gradients come from a backward that was not given adaloss's state, so "
+            "its scale decisions cannot back off after a skipped step, and an overflow that repeats "
+            "(a confident model, a large loss) would skip every step. Pass the optimizer state to "
+            "the backward: jax_adaloss.value_and_grad(loss_fn)(params, batch, "
+            "adaloss_state=opt_state) (flax TrainState: adaloss_state=state.opt_state; nnx: "
+            "adaloss_state=optimizer.opt_state), or adaloss_state=None to train without back-off.")
 
 
 def _unscale(g: Any) -> Any:
@@ -162,6 +177,7 @@ def adaloss(config: AdaLossConfig | None = None,
                 "restored without a target (orbax's StandardCheckpointer.restore(path)) comes back as "
                 "dicts: restore with an abstract target, restore(path, jax.tree.map("
                 "ocp.utils.to_shape_dtype_struct, tx.init(params))).")
+        _refuse_stateless(updates)
         unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
         scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
         finite = _all_finite(unscaled)

@@ -88,14 +88,16 @@ def _jax_lm(batch=1024, seed=0):
     return params, tok, y, loss
 
 
-def _jax_adaloss_run(pass_state):
+def _jax_adaloss_run(state_arg="state"):
+    """``state_arg``: pass the optimizer state ("state"), ``adaloss_state=None`` ("none"), or
+    leave the keyword out ("omitted")."""
     params, tok, y, loss = _jax_lm()
     tx = jax_adaloss.adaloss(inner=optax.sgd(1e-6))
     state = tx.init(params)
 
     @jax.jit
     def step(p, st):
-        extra = {"adaloss_state": st} if pass_state else {}
+        extra = {"state": {"adaloss_state": st}, "none": {"adaloss_state": None}, "omitted": {}}[state_arg]
         _, g = jax_adaloss.value_and_grad(loss)(p, tok, y, **extra)
         u, st = tx.update(g, st, p)
         return optax.apply_updates(p, u), st
@@ -116,14 +118,51 @@ def test_jax_overflow_backs_off_and_trains_no_later_than_a_dynamic_scale():
         ok = jmp.all_finite(ls.unscale(g))
         ls = ls.adjust(ok)
         jmp_finite.append(bool(ok))
-    finite, state = _jax_adaloss_run(pass_state=True)
+    finite, state = _jax_adaloss_run()
     assert not finite[0], "the model must overflow at first, or the test shows nothing"
     assert finite[-1] and all(finite[finite.index(True):]), finite  # once it trains, it keeps training
     assert _run_lengths(finite) <= _run_lengths(jmp_finite), (finite, jmp_finite)
     assert int(optax.tree.get(state, "backoff")) == finite.index(True)  # one per skipped step
-    # the same run with the state not passed to the backward never recovers
-    stuck, state = _jax_adaloss_run(pass_state=False)
+    # told that there is no state (adaloss_state=None), the same run never recovers: what the
+    # refusal of gradients made with the keyword left out prevents
+    stuck, state = _jax_adaloss_run("none")
     assert not any(stuck) and int(state.backoff) == STEPS
+    with pytest.raises(ValueError, match="adaloss_state=opt_state"):
+        _jax_adaloss_run("omitted")
+
+
+def test_gradients_from_a_backward_without_the_state_are_refused_in_every_idiom():
+    from flax import nnx
+    from flax.training.train_state import TrainState
+
+    params, tok, y, loss = _jax_lm(batch=8)
+    tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))
+    remedy = "adaloss_state=opt_state"
+    grads = jax.jit(jax_adaloss.grad(loss))(params, tok, y)
+    assert all(isinstance(g, jax_adaloss.StatelessScaledGrad) for g in grads.values())
+    with pytest.raises(ValueError, match=remedy):  # the optax idiom, under jit
+        jax.jit(tx.update)(grads, tx.init(params), params)
+    with pytest.raises(ValueError, match=remedy):  # adaloss as a link of a chain
+        chain = optax.chain(jax_adaloss.adaloss(), optax.adam(1e-3))
+        chain.update(grads, chain.init(params), params)
+    with pytest.raises(ValueError, match=remedy):  # accumulated micro-batches keep the mark
+        tx.update(jax_adaloss.tree_add(grads, jax_adaloss.grad(loss)(params, tok, y, adaloss_state=None)),
+                  tx.init(params), params)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    with pytest.raises(ValueError, match=remedy):
+        state.apply_gradients(grads=grads)
+    told = jax_adaloss.grad(loss)(params, tok, y, adaloss_state=state.opt_state)
+    assert int(optax.tree.get(state.apply_gradients(grads=told).opt_state, "skipped")) == 0
+
+    model = nnx.Linear(D, V, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jnp.ones((8, D), jnp.float16)
+
+    def nnx_loss(m):
+        return optax.softmax_cross_entropy_with_integer_labels(m(x).astype(jnp.float32), y).mean()
+    with pytest.raises(ValueError, match=remedy):
+        optimizer.update(model, jax_adaloss.grad(nnx_loss)(model))
+    optimizer.update(model, jax_adaloss.grad(nnx_loss)(model, adaloss_state=optimizer.opt_state))
 
 
 def test_adaloss_state_keyword_must_hold_the_transformation_state():

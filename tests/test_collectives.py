@@ -2,6 +2,7 @@
 pmean equal the full batch; plain tree maps and jax.lax.pmean, which would add the scales, are
 refused (skipped and counted under jit, an error outside)."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def _close(a, b, rtol=5e-3):
 @pytest.fixture(scope="module")
 def micro():
     cls, params, x, y, w = uneven_batch()
-    g = jax.jit(jax_adaloss.grad(weighted_loss(cls)))
+    g = jax.jit(functools.partial(jax_adaloss.grad(weighted_loss(cls)), adaloss_state=None))
     full = g(params, x, y, w)
     parts = [g(params, *(a.reshape(MICRO, -1, *a.shape[1:])[k] for a in (x, y, w))) for k in range(MICRO)]
     return params, full, parts

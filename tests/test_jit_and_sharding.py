@@ -54,7 +54,9 @@ SHARDED = textwrap.dedent("""
         ps = jax.device_put(params, NamedSharding(mesh, P()))
         (v4, g4), r4 = f(ps, xs, ys)
         tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))
-        upd, _ = jax.jit(tx.update)(g4, tx.init(ps), ps)
+        state = tx.init(ps)
+        (_, g4), _ = f(ps, xs, ys, adaloss_state=state)
+        upd, _ = jax.jit(tx.update)(g4, state, ps)
     assert len(xs.sharding.device_set) == 4
     s1 = {{k: float(l.scale) for k, l in r1.layers.items()}}
     s4 = {{k: float(l.scale) for k, l in r4.layers.items()}}

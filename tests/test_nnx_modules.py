@@ -79,7 +79,7 @@ def test_optimizer_step_in_nnx_jit_trains_and_updates_batch_stats():
     def train_step(model, optimizer, x, y):
         def loss(model):  # the batch closed over, as nnx users write it
             return 1e-6 * loss_fn(model, x, y)
-        value, grads = jax_adaloss.value_and_grad(loss)(model)
+        value, grads = jax_adaloss.value_and_grad(loss)(model, adaloss_state=optimizer.opt_state)
         optimizer.update(model, grads)
         return value
 

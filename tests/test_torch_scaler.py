@@ -388,3 +388,42 @@ def test_parameters_outside_the_model_are_weights_too():
     assert "net.4.weight" in names
     assert head.weight.grad is not None
     assert set(scaler.grad_scales()) == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_autograd_grad_on_a_scaled_loss_is_refused_with_the_remedy():
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = AdaLossScaler(model)
+    x, y = _batch()
+    params = list(model.parameters())
+    # the AMP docs' gradient penalty, and the plain form that would return scaled gradients
+    for kwargs in ({"create_graph": True}, {}):
+        with pytest.raises(RuntimeError, match="does not support .*create_graph|autograd.grad on a scaled"):
+            torch.autograd.grad(scaler.scale(_loss(model, x, y)), params, **kwargs)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        scaler.scale(_loss(model, x, y)).backward(create_graph=True)
+    assert all(p.grad is None for p in params)
+    _train(model, scaler, torch.optim.SGD(params, 0.1), 1)  # the scaler still works afterwards
+    assert scaler.skipped_steps == 0 and all(p.grad is not None for p in params)
+
+
+def test_get_scale_falls_after_a_skipped_step_as_gradscalers_does():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    scaler = AdaLossScaler(model, AdaLossConfig(backoff_interval=2))
+    stepped = []
+    for i in range(5):
+        x, y = _batch(i)
+        if i == 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(_loss(model, x, y)).backward()
+        before = scaler.get_scale()  # the LR-scheduler idiom of GradScaler users
+        scaler.step(opt)
+        scaler.update()
+        stepped.append(scaler.get_scale() >= before)
+    assert stepped == [True, False, True, True, True] and scaler.skipped_steps == 1
+    assert scaler.get_scale() == 1.0 and scaler.backoff == 0  # recovered after 2 finite steps
+    assert AdaLossScaler(model, enabled=False).get_scale() == 1.0

@@ -104,7 +104,7 @@ def test_end_to_end_with_value_and_grad_under_jit():
 
     @jax.jit
     def step(p, s):
-        value, g = jax_adaloss.value_and_grad(loss)(p, x)
+        value, g = jax_adaloss.value_and_grad(loss)(p, x, adaloss_state=s)
         upd, s = tx.update(g, s, p)
         return optax.apply_updates(p, upd), s, value
 

@@ -134,10 +134,11 @@ def test_jax_a_state_initialised_with_other_weights_warns_that_feedback_is_off()
 def test_jax_no_feedback_without_the_option_or_in_the_authors_preset():
     x, p = _data()
     for cfg in (AdaLossConfig(underflow_feedback=False), AdaLossConfig.authors_preset()):
-        _, grads = jax_adaloss.value_and_grad(_jax_loss, config=cfg)(p, x)
-        assert all(g.underflow is None for g in grads.values())
         tx = jax_adaloss.adaloss(cfg)
-        _, state = tx.update(grads, tx.init(p), p)
+        state = tx.init(p)
+        _, grads = jax_adaloss.value_and_grad(_jax_loss, config=cfg)(p, x, adaloss_state=state)
+        assert all(g.underflow is None for g in grads.values())
+        _, state = tx.update(grads, state, p)
         assert all(int(k) == 0 for k in jax.tree.leaves(optax.tree.get(state, "lift")))
 
 

@@ -165,6 +165,37 @@ def _hidden_hook(me: weakref.ref[ScaledBackward], k: int) -> Callable[[torch.Ten
     return hook
 
 
+_AUTOGRAD_GRAD = (
+    "AdaLossScaler does not support torch.autograd.grad on a scaled loss: each parameter's gradient "
+    "carries its own per-layer scale, and autograd.grad would return the scaled values with no way "
+    "to unscale them (there is no single get_scale() to divide by). Call "
+    "scaler.scale(loss).backward() and read each parameter's .grad (scaler.unscale_(optimizer) "
+    "divides each by its own scale). For a gradient penalty, take its gradients of the unscaled "
+    "loss, torch.autograd.grad(loss, params, create_graph=True), outside the scaler.")
+_CREATE_GRAPH = (
+    "AdaLossScaler does not support create_graph=True (a double backward, e.g. a gradient "
+    "penalty): the per-layer scales are decided from the gradients as they flow and are not "
+    "differentiable. Run the scaled backward without create_graph; take a penalty's gradients of "
+    "the unscaled loss, torch.autograd.grad(loss, params, create_graph=True), outside the scaler.")
+
+
+def _refuse_unsupported_backward(plan: ScalePlan) -> None:
+    """Raise, with the remedy, when the scaled loss's backward is ``torch.autograd.grad`` (which
+    returns the gradients instead of accumulating them where the scaler unscales them) or runs
+    with ``create_graph=True`` (autograd records the backward, scale decisions included)."""
+    if torch.is_grad_enabled():  # the engine enables grad mode for create_graph=True only
+        raise RuntimeError(_CREATE_GRAPH)
+    leaf = next((node for p, node in zip(plan.order, plan.nodes) if p.leaf), None)
+    if leaf is None:
+        return
+    try:  # autograd.grad captures the inputs' gradients: the engine refuses to say about a leaf
+        torch._C._will_engine_execute_node(leaf)
+    except RuntimeError as e:
+        if "autograd.grad" not in str(e):
+            raise
+        raise RuntimeError(_AUTOGRAD_GRAD) from None
+
+
 def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats."""
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
@@ -348,6 +379,7 @@ class ScaledBackward:
         return tuple(gi)
 
     def _begin(self, go: list[Any]) -> None:
+        _refuse_unsupported_backward(self.plan)
         self._reset()
         self._hook_leaves()
         self.active = True

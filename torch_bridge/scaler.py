@@ -211,6 +211,21 @@ class AdaLossScaler:
         lower in the format's range, so that an overflow cannot recur step after step."""
         return int(self._backoff[0]) if self._backoff is not None else self._backoff_loaded[0]
 
+    def get_scale(self) -> float:
+        """The back-off's global factor, ``config.init_scale · 2^-h`` (a Python float; reads the
+        device), or ``1.0`` when disabled.
+
+        Like ``torch.amp.GradScaler.get_scale()`` it falls after every skipped step and recovers
+        after ``config.backoff_interval`` finite ones, so the common idiom for an LR scheduler,
+        ``before = scaler.get_scale(); scaler.step(opt); scaler.update(); stepped =
+        scaler.get_scale() >= before``, tells a skipped step (until ``h`` reaches its cap,
+        ``adaloss.solver.MAX_BACKOFF``; ``skipped_steps`` counts them all). It is *not* what the
+        gradients carry: each carries its own per-layer scale (:meth:`grad_scales`), so never
+        divide gradients by it; :meth:`unscale_` unscales them."""
+        if not self._enabled:
+            return 1.0
+        return self._config.init_scale * 2.0 ** -self.backoff
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale(loss).backward(**kwargs)``."""
         self.scale(loss).backward(**kwargs)
