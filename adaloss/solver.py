@@ -226,7 +226,9 @@ def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array,
 
     For ``dW = xᵀ·(s·g)`` summed over ``rows`` rows, Cauchy-Schwarz bounds every entry by
     ``s·max_j‖g_:j‖₂·max_i‖x_:i‖₂``, and the bias gradient (a column sum of ``s·g``) by
-    ``s·max_j‖g_:j‖₂·√rows``: ``u_max / (max_j‖g_:j‖₂ · max(max_i‖x_:i‖₂, √rows))``. Only
+    ``s·max_j‖g_:j‖₂·√rows``: ``u_max / (max_j‖g_:j‖₂ · max(max_i‖x_:i‖₂, √rows))``. A
+    convolution's is the same with channels for columns and batch × positions for rows (each
+    ``dW`` entry pairs distinct entries of one input channel with one output channel). Only
     where a framework computes the weight gradient in 16 bits (a PyTorch layer node under
     autocast); JAX computes it in fp32 and needs no such cap.
     """

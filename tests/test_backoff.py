@@ -235,3 +235,49 @@ def test_torch_overflow_no_cap_sees_backs_off_no_slower_than_gradscaler():
     fresh = torch_bridge.AdaLossScaler(_LM(30.0))
     fresh.load_state_dict(state)
     assert fresh.backoff == scaler.backoff and fresh.state_dict()["backoff"] == state["backoff"]
+
+
+class _ConvLM(torch.nn.Module):
+    """A tied-embedding LM with a Conv1d: the convolution's node computes its weight gradient in
+    fp16 from the scaled cotangent, a sum over every batch row and position."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.conv = torch.nn.Conv1d(D, D, 3, padding=1)
+
+    def forward(self, t):
+        h = self.conv(self.emb(t).transpose(1, 2)).transpose(1, 2)
+        return h @ self.emb.weight.t()
+
+
+def test_torch_conv_weight_gradient_is_capped_where_it_would_overflow():
+    # 32 x 256 positions at loss x1e-6: uncapped, the fp16 conv.weight gradient is inf on the
+    # first pass (one skipped step); the Cauchy-Schwarz cap over channels keeps it finite
+    def run(make_scaler):
+        torch.manual_seed(0)
+        model = _ConvLM()
+        g = torch.Generator().manual_seed(1)
+        tok, y = torch.randint(0, V, (32, 256), generator=g), torch.randint(0, V, (32, 256), generator=g)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = make_scaler(model)
+        finite = []
+        for _ in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(tok)
+            loss = 1e-6 * torch.nn.functional.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1),
+                                                            reduction="sum")
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            finite.append(all(torch.isfinite(p.grad).all() for p in model.parameters()))
+            scaler.step(opt)
+            scaler.update()
+        return finite, scaler
+
+    ada, scaler = run(torch_bridge.AdaLossScaler)
+    gs, _ = run(lambda m: torch.amp.GradScaler("cpu"))
+    assert all(ada) and scaler.skipped_steps == 0, ada
+    assert ada.count(False) <= gs.count(False)
+    conv = next(r for k, r in scaler.layer_reports().items() if k.startswith("conv.weight"))
+    assert float(conv.unrounded_scale) < float(conv.model_scale), "the cap must be what holds the scale"

@@ -95,8 +95,9 @@ class NodePlan:
     stash_edges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     act_edge: int = -1
     weight_attr: str = ""
-    # a 2-D matmul layer with its weight on the right (``nn.Linear``): the saved activation
-    # ``x`` of ``dW = xᵀ·g``, whose column norms cap the node's fp16 weight gradient
+    # a 2-D matmul layer with its weight on the right (``nn.Linear``) or a convolution: the saved
+    # activation ``x`` of ``dW = xᵀ·g``, whose column (channel) norms cap the node's fp16 weight
+    # gradient
     act_attr: str = ""
     # the weight operand rebuilt from its parameter when the node's saved copy must not be
     # read (saved-tensor hooks: torch.utils.checkpoint): (leaf position, ops in forward order:
@@ -328,6 +329,8 @@ class _Builder:
         plan.act_edge, plan.weight_attr = act, attrs[w]
         if kind in _WEIGHT_RIGHT_2D and w == 1:
             plan.act_attr = attrs[0]
+        elif kind == _CONV:
+            plan.act_attr = "_saved_input"
         plan.recipe = self._recipe(producer)
         plan.fan_in = _fan_in(kind, w, shape, node)
         return True

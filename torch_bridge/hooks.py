@@ -540,18 +540,27 @@ class ScaledBackward:
         return None
 
     def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
-        """:func:`adaloss.solver.weight_grad_cap` for an ``nn.Linear`` node, whose weight and
-        bias gradients it computes in ``g``'s 16-bit dtype from ``s·g``; None elsewhere (other
-        layers, fp32 gradients, an activation packed by saved-tensor hooks)."""
-        if not p.act_attr or g.dtype.itemsize > 2 or g.dim() != 2:
+        """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight and bias
+        gradients in ``g``'s 16-bit dtype from ``s·g``: an ``nn.Linear`` (``mm``/``addmm``, the
+        weight on the right; columns are the features) or a convolution (channels: every entry
+        of ``dW[o, c, k…]`` sums, over batch and positions, products of ``g[:, o]`` with distinct
+        entries of ``x[:, c]``, so Cauchy-Schwarz bounds it by the two channels' norms); None
+        elsewhere (other layers, fp32 gradients, an activation packed by saved-tensor hooks)."""
+        if not p.act_attr or g.dtype.itemsize > 2:
             return None
         x = self._saved(p, p.act_attr)
-        if x is None or x.dim() != 2:
+        if x is None or x.dim() != g.dim() or g.dim() < 2 or (g.dim() > 2 and p.act_attr != "_saved_input"):
             return None
-        g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
-        x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
+        if g.dim() == 2:
+            g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
+            x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
+            rows = g.shape[0]
+        else:  # [N, C, spatial...]: the norm of each channel over batch and positions
+            g_norm = torch.linalg.vector_norm(g.transpose(0, 1).flatten(1), dim=1, dtype=_F32).amax()
+            x_norm = torch.linalg.vector_norm(x.transpose(0, 1).flatten(1), dim=1, dtype=_F32).amax()
+            rows = g.numel() // g.shape[1]
         return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
-                                      g.shape[0], self.sm.xp, self.bo)
+                                      rows, self.sm.xp, self.bo)
 
     def _weight(self, p: NodePlan) -> torch.Tensor:
         """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
