@@ -62,7 +62,7 @@ def _zoo_spans(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float, int]
     from adaloss_zoo.tables import ratio
     out = {}
     for fw in ("jax", "torch"):
-        r = [ratio(x) for x in rows if x["framework"] == fw and np.isfinite(ratio(x))]
+        r = [q for q in (ratio(x) for x in rows if x["framework"] == fw) if np.isfinite(q)]
         out[fw] = (min(r), max(r), len(r))
     return out
 
@@ -98,13 +98,7 @@ def readme_results(docs: Path) -> str:
 
 def study_cases(docs: Path) -> str:
     """Every study case: final val loss relative to fp32 at the same seed, skipped steps."""
-    records = _records(docs)
-    methods = ("fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only", "largest-safe")
-    lines = ["| case | seeds | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
-    for name, r in records.items():
-        lines.append(f"| [{name}]({case_link(name)}) | {len(next(iter(r['summary'].values())))} | "
-                     + " | ".join(gallery._paired(r, m) for m in methods) + " |")
-    return "\n".join(lines)
+    return "\n".join(gallery.overview_table(_records(docs), page="results.md"))
 
 
 def zoo_summary(docs: Path) -> str:

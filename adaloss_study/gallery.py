@@ -219,16 +219,21 @@ def _paired(record: dict[str, Any], method: str, ref: str = "fp32") -> str:
     return f"{rel.mean():+.2f}%" + (f" ({skipped} skipped)" if skipped else "")
 
 
-def _overview(records: dict[str, dict[str, Any]]) -> list[str]:
-    """One line per case: val loss relative to fp32 at the same seed (mean over seeds)."""
+def overview_table(records: dict[str, dict[str, Any]], page: str = "") -> list[str]:
+    """One line per case: val loss relative to fp32 at the same seed (mean over seeds), each case
+    linked to its section of the results page (``page``: the link's file, "" on that page)."""
     methods = ("fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only", "largest-safe")
-    rows = [f"| [{name}](#{case_anchor(name)}) | {len(next(iter(r['summary'].values())))} | "
+    rows = [f"| [{name}]({page}#{case_anchor(name)}) | {len(next(iter(r['summary'].values())))} | "
             + " | ".join(_paired(r, m) for m in methods) + " |" for name, r in records.items()]
+    return ["| case | seeds | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods), *rows]
+
+
+def _overview(records: dict[str, dict[str, Any]]) -> list[str]:
+    """The results page's overview section."""
     return ["## Overview", "",
             "Final val loss relative to fp32 at the same seed (same initialisation and batches), mean "
             "over seeds, with the mean number of skipped steps; each case's section below has the "
-            "command, the spread and the plots.", "",
-            "| case | seeds | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods), *rows, ""]
+            "command, the spread and the plots.", "", *overview_table(records), ""]
 
 
 def _which_model(records: dict[str, dict[str, Any]]) -> list[str]:

@@ -549,16 +549,14 @@ class ScaledBackward:
         if not p.act_attr or g.dtype.itemsize > 2:
             return None
         x = self._saved(p, p.act_attr)
-        if x is None or x.dim() != g.dim() or g.dim() < 2 or (g.dim() > 2 and p.act_attr != "_saved_input"):
+        conv = p.act_attr == "_saved_input"
+        if x is None or x.dim() != g.dim() or (not conv and g.dim() != 2):
             return None
-        if g.dim() == 2:
-            g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
-            x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
-            rows = g.shape[0]
-        else:  # [N, C, spatial...]: the norm of each channel over batch and positions
-            g_norm = torch.linalg.vector_norm(g.transpose(0, 1).flatten(1), dim=1, dtype=_F32).amax()
-            x_norm = torch.linalg.vector_norm(x.transpose(0, 1).flatten(1), dim=1, dtype=_F32).amax()
-            rows = g.numel() // g.shape[1]
+        if conv:  # [N, C, spatial...] -> [C, N·positions]: a channel is a column
+            g, x = g.transpose(0, 1).flatten(1).t(), x.transpose(0, 1).flatten(1).t()
+        g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
+        x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
+        rows = g.shape[0]
         return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
                                       rows, self.sm.xp, self.bo)
 
