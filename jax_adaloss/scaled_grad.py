@@ -21,17 +21,24 @@ class ScaledGrad(NamedTuple):
         one backward.
       inverse: fp32 scalar ``1 / scale`` (or ``None``: unchecked), set by the backward and kept
         by :func:`jax_adaloss.pmean` / :func:`jax_adaloss.psum` / :func:`jax_adaloss.tree_add`.
-        A tree operation that combines scales as if they were values (``jax.lax.pmean``/``psum``
-        over devices whose scales differ, ``jax.tree.map(jnp.add, ...)`` over micro-batches,
-        dividing the tree by their number) breaks ``scale · inverse = 1``, and
+        A tree operation that combines scales as if they were values and keeps the marker an
+        integer (``jax.lax.psum`` over devices, ``jax.tree.map(jnp.add, ...)`` over
+        micro-batches) breaks ``scale · inverse = 1``, and
         :func:`jax_adaloss.adaloss` skips and counts that step (``mixed_scales``) instead of
         applying a wrong gradient.
+      marker: int32 scalar 0 (or ``None``: unchecked), set with ``inverse``. A transformation
+        that rescales the tree as if its fields were values (``optax.scale``, dividing by a
+        count, ``jax.lax.pmean``, a cast) makes it a float, and rebuilding the ``ScaledGrad``
+        raises at trace time, naming the remedy; clipping (``optax.clip_by_global_norm``)
+        fails on it with a dtype error at trace time. Either way, a misplaced transformation
+        is loud under ``jit`` too, instead of skipping every step.
     """
 
     value: jax.Array
     scale: jax.Array
     underflow: jax.Array | None = None
     inverse: jax.Array | None = None
+    marker: jax.Array | None = None
 
     @classmethod
     def of(cls, value: jax.Array, scale: jax.Array, underflow: jax.Array | None = None,
@@ -40,7 +47,7 @@ class ScaledGrad(NamedTuple):
         of the gradients it was reduced from) carries their inconsistency over."""
         scale = jnp.asarray(scale, jnp.float32)
         inverse = 1.0 / scale if mismatch is None else (1.0 + mismatch) / scale
-        return cls(value, scale, underflow, inverse)
+        return cls(value, scale, underflow, inverse, jnp.zeros((), jnp.int32))
 
     def mismatch(self) -> jax.Array:
         """``|scale · inverse − 1|``: 0 for a gradient as the backward made it (0 if unchecked)."""
@@ -66,9 +73,44 @@ class StatelessScaledGrad(ScaledGrad):
     __slots__ = ()
 
 
+MISPLACED = (
+    "a transformation rescaled a tree of jax_adaloss.ScaledGrad gradients as if their scales "
+    "were values ({what}). Each ScaledGrad carries its own loss scale: unscale them first. "
+    "Put adaloss first and everything else inside it: "
+    "adaloss(inner=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))), "
+    "adaloss(inner=optax.MultiSteps(optax.adam(lr), k)); reduce across devices or micro-batches "
+    "with jax_adaloss.pmean, jax_adaloss.psum, jax_adaloss.tree_add and jax_adaloss.tree_scale; or "
+    "read plain gradients with "
+    "jax_adaloss.unscale_tree(grads).")
+
+
+def _check_marker(marker: Any) -> None:
+    dtype = getattr(marker, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(MISPLACED.format(what=f"its int32 marker came back as {dtype}"))
+
+
+def _register(cls: type) -> None:
+    keys = tuple(jax.tree_util.GetAttrKey(f) for f in ScaledGrad._fields)
+
+    def flatten_with_keys(g: ScaledGrad) -> tuple[Any, None]:
+        return tuple(zip(keys, g)), None
+
+    def unflatten(_: None, children: Any) -> ScaledGrad:
+        _check_marker(children[-1])
+        return cls(*children)
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten,
+                                            flatten_func=lambda g: (tuple(g), None))
+
+
 def kind_of(*grads: ScaledGrad) -> type[ScaledGrad]:
     """The type a combination of ``grads`` keeps: stateless if any of them is."""
     return StatelessScaledGrad if any(isinstance(g, StatelessScaledGrad) for g in grads) else ScaledGrad
+
+
+_register(ScaledGrad)
+_register(StatelessScaledGrad)
 
 
 def mark_stateless(tree: Any) -> Any:

@@ -26,7 +26,7 @@ import optax
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from jax_adaloss.scaled_grad import ScaledGrad, StatelessScaledGrad, is_scaled_grad
+from jax_adaloss.scaled_grad import MISPLACED, ScaledGrad, StatelessScaledGrad, is_scaled_grad
 
 
 class AdaLossState(NamedTuple):
@@ -120,11 +120,9 @@ def _consistent(updates: Any) -> jax.Array:
         return jnp.asarray(True)
     ok = jnp.max(jnp.stack(checked)) <= MISMATCH_TOL
     if not isinstance(ok, jax.core.Tracer) and not bool(ok):
-        raise ValueError(
-            "ScaledGrad scales were combined as if they were values (scale * inverse != 1): the "
-            "gradients were reduced with jax.lax.pmean/psum or jax.tree.map across devices or "
-            "micro-batches whose scales differ. Use jax_adaloss.pmean / jax_adaloss.psum / "
-            "jax_adaloss.tree_add (and tree_scale), which bring them to one scale first.")
+        raise ValueError(MISPLACED.format(
+            what="scale * inverse != 1: summed with jax.lax.psum or jax.tree.map(jnp.add, ...), "
+                 "averaged over devices whose scales differ, or clipped or scaled before adaloss"))
     return ok
 
 

@@ -96,10 +96,11 @@ def test_plain_tree_map_accumulation_is_refused(micro):
     assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(upd))
     chex_equal = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new.inner_state, state.inner_state)
     assert all(jax.tree.leaves(chex_equal)), "a refused step must leave the optimizer state as it was"
-    # dividing a (correctly accumulated) tree with a plain map divides the scales as well
-    halved = jax.tree.map(lambda a: a / 2, jax_adaloss.tree_add(*parts[:2]))
-    _, new = jax.jit(tx.update)(halved, state, params)
-    assert int(optax.tree.get(new, "mixed_scales")) == 1
+    # dividing a (correctly accumulated) tree with a plain map would divide the scales as well:
+    # refused where it is written, at trace time, with the remedy
+    for run in (lambda f, *a: f(*a), lambda f, *a: jax.jit(f)(*a)):
+        with pytest.raises(ValueError, match="tree_scale"):
+            run(lambda t: jax.tree.map(lambda a: a / 2, t), jax_adaloss.tree_add(*parts[:2]))
     # a laundering attempt: a plain sum, then tree_add, stays refused
     _, new = jax.jit(tx.update)(jax_adaloss.tree_add(summed, parts[2]), state, params)
     assert int(optax.tree.get(new, "mixed_scales")) == 1
@@ -174,8 +175,14 @@ SHARD_MAP = textwrap.dedent("""
     differ = sum(len(set(np.asarray(v).tolist())) > 1 for v in jax.tree.leaves(local))
     assert differ > 0, "devices should choose different scales"
     same_as_one_device(*data_parallel(lambda g: jax_adaloss.pmean(g, "data"), False, 4.0))
-    # the plain collective averages the scales too: refused, the parameters unchanged
-    pp, sp, _ = data_parallel(lambda g: jax.lax.pmean(g, "data"), False, 4.0)
+    # the plain collective would average the scales too: refused at trace time, with the remedy
+    try:
+        data_parallel(lambda g: jax.lax.pmean(g, "data"), False, 4.0)
+        raise AssertionError("jax.lax.pmean over ScaledGrad trees should be refused")
+    except ValueError as e:
+        assert "jax_adaloss.pmean" in str(e), e
+    # a plain psum adds the scales (int32 marker untouched): skipped and counted, parameters unchanged
+    pp, sp, _ = data_parallel(lambda g: jax.lax.psum(g, "data"), False, 1.0)
     assert int(optax.tree.get(sp, "mixed_scales")) == 1
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(pp), jax.tree.leaves(params)))
 

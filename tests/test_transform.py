@@ -120,3 +120,47 @@ def test_bad_inner_and_config_types_raise():
         adaloss(inner=object())
     with pytest.raises(TypeError, match="AdaLossConfig"):
         adaloss(config={"threshold": 1e-3})
+
+
+def _misplaced_step(tx, reduce=lambda g: g):
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    x = jnp.ones((8, 4))
+
+    def loss(p):
+        return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+
+    @jax.jit
+    def step(p, s):
+        g = reduce(jax_adaloss.grad(loss)(p, adaloss_state=None))
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    return step(params, tx.init(params))
+
+
+@pytest.mark.parametrize("place, error, match", [
+    # a value transformation in front of adaloss would rescale the scales it carries
+    ("scale first", ValueError, "adaloss first"),
+    ("divide the tree", ValueError, "tree_scale"),
+    ("cast the tree", ValueError, "unscale_tree"),
+    # optax's own errors, at trace time: the int32 marker meets lax.select; the structure differs
+    ("clip first", TypeError, "same dtypes"),
+    ("MultiSteps outside", ValueError, "pytree structure"),
+])
+def test_transformations_placed_before_adaloss_fail_at_trace_time_under_jit(place, error, match):
+    inner = adaloss(inner=optax.adam(1e-2))
+    tx, reduce = {
+        "scale first": (optax.chain(optax.scale(0.5), inner), None),
+        "divide the tree": (inner, lambda g: jax.tree.map(lambda a: a / 4, g)),
+        "cast the tree": (inner, lambda g: jax.tree.map(lambda a: a.astype(jnp.float32), g)),
+        "clip first": (optax.chain(optax.clip_by_global_norm(1.0), inner), None),
+        "MultiSteps outside": (optax.MultiSteps(inner, 2), None),
+    }[place]
+    with pytest.raises(error, match=match):
+        _misplaced_step(tx, reduce or (lambda g: g))
+
+
+def test_the_placements_the_errors_name_train():
+    tx = adaloss(inner=optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2))
+    params, state = _misplaced_step(tx, lambda g: jax_adaloss.tree_scale(0.25, g))
+    assert int(optax.tree.get(state, "skipped")) == 0
+    assert int(optax.tree.get(state, "mini_step")) == 1
