@@ -220,6 +220,23 @@ def _cap(limit: float, m: Array, xp: Any) -> Array:
     return xp.where(m > 0, saturating_quotient(limit, m, xp), xp.full_like(m, float("inf")))
 
 
+def amplified_scale(config: AdaLossConfig, g_absmax: Array, factor: Array, xp: Any,
+                    backoff: Array | None = None) -> Array:
+    """The power of two ``r ≤ 1`` that a 16-bit cotangent ``g`` (and the scale it carries) is
+    multiplied by before an op whose backward multiplies it by at most ``factor``: a scalar
+    multiplier ``c`` (``|c|``), a scalar divisor (``1/|c|``). 1 where ``factor·max|g|`` stays
+    below ``b·u_max`` (``b``: the back-off factor); else the largest power of two that brings it
+    there: the decisions before such an op bound ``s·max|g|``, not what the op makes of it."""
+    return at_most(_backed_off(_cap(config.overflow_limit, g_absmax * xp.abs(factor), xp), backoff), xp)
+
+
+def at_most(cap: Array, xp: Any) -> Array:
+    """The power of two ``r ≤ 1`` that multiplies a scale held below ``cap`` (a cap on the
+    factor applied to what is already scaled): 1 where ``cap ≥ 1``, else ``cap``'s power-of-two
+    floor."""
+    return xp.where(cap >= 1, xp.ones_like(cap), pow2_floor(cap, xp))
+
+
 def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array, rows: int,
                     xp: Any, backoff: Array | None = None) -> Array:
     """Largest scale that keeps a weight gradient computed in the gradient format finite.

@@ -190,6 +190,26 @@ def departures(docs: Path) -> str:
     return "\n".join(lines)
 
 
+def skips(docs: Path) -> str:
+    """Skipped steps training the zoo, adaloss against a global dynamic scale (``docs/skips.json``)."""
+    result = _json(docs, "skips.json")
+    rows = result["rows"]
+
+    def cell(r: dict[str, Any], m: str) -> str:
+        return f"{r['skipped'][m]} ({r['in_a_row'][m]} in a row)" if r["skipped"][m] else "0"
+
+    lines = ["| framework | model | loss × | adaloss | dynamic scale |", "|---|---|---|---|---|"]
+    lines += [f"| {r['framework']} | {r['model']} | {r['factor']:g} | {cell(r, 'adaloss')} | "
+              f"{cell(r, 'dynamic')} |" for r in rows]
+    worse = sum(r["skipped"]["adaloss"] > r["skipped"]["dynamic"]
+                or r["in_a_row"]["adaloss"] > r["in_a_row"]["dynamic"] for r in rows)
+    lines += ["", f"{len(rows)} runs of {rows[0]['steps']} steps: adaloss skipped "
+              f"{sum(r['skipped']['adaloss'] for r in rows)} steps in all, the dynamic scale "
+              f"{sum(r['skipped']['dynamic'] for r in rows)}; adaloss skipped more (in all or in a row) "
+              f"on {worse} of {len(rows)} runs."]
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "readme-results": readme_results,
     "study-cases": study_cases,
@@ -197,6 +217,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "threshold": threshold,
     "cost": cost,
     "departures": departures,
+    "skips": skips,
 }
 
 

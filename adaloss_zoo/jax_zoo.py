@@ -124,6 +124,52 @@ def _times(out: tuple[Any, Any], factor: float, scale: Callable[[Any], Any] = la
     return scale(out[0] * factor), out[1]
 
 
+#: the global dynamic baseline's initial scale: GradScaler's default
+DYNAMIC_INIT = 2.0**16
+
+
+def _optimizer(dynamic: bool) -> optax.GradientTransformation:
+    """Adam (lr 1e-3) behind adaloss, or (``dynamic``) behind ``optax.apply_if_finite``, the
+    skip that goes with ``jmp.DynamicLossScale``."""
+    if dynamic:
+        return optax.apply_if_finite(optax.adam(1e-3), max_consecutive_errors=2**31 - 1)
+    return jax_adaloss.adaloss(inner=optax.adam(1e-3))
+
+
+def _skipped(opt_state: Any, dynamic: bool) -> int:
+    return int(optax.tree.get(opt_state, "total_notfinite" if dynamic else "skipped"))
+
+
+def _initial_loss_scale() -> tuple[jax.Array, jax.Array]:
+    """``jmp.DynamicLossScale``'s arrays (scale, counter) at :data:`DYNAMIC_INIT`: passed as a
+    tuple, since ``nnx.jit`` and ``eqx.filter_jit`` rebuild pytree arguments with ``None``
+    leaves, which jmp's constructor refuses."""
+    return jnp.float32(DYNAMIC_INIT), jnp.zeros((), jnp.int32)
+
+
+def _jmp_value_and_grad(loss_fn: Callable[..., Any], ls: tuple[jax.Array, jax.Array],
+                        grad: Callable[..., Any] = jax.grad) -> Callable[..., Any]:
+    """jmp's documented step for ``loss_fn(x) -> (loss, aux)``: scale the loss by a
+    ``jmp.DynamicLossScale`` (its arrays ``ls``), differentiate, unscale, check finiteness,
+    adjust: ``((loss, aux), grads, the adjusted scale's arrays)``."""
+    scale = jmp.DynamicLossScale(*ls)
+
+    def run(x: Any) -> Any:
+        def scaled(x: Any) -> Any:
+            loss, aux = loss_fn(x)
+            return scale.scale(loss), (loss, aux)
+        grads, (loss, aux) = grad(scaled, has_aux=True)(x)
+        grads = scale.unscale(grads)
+        new = scale.adjust(jmp.all_finite(grads))
+        return (loss, aux), grads, (new.loss_scale, new.counter)
+    return run
+
+
+def skip_flags(counts: list[int]) -> list[bool]:
+    """Per step, whether it was skipped, from the running skip counter after each step."""
+    return [b > a for a, b in zip([0, *counts[:-1]], counts)]
+
+
 class JaxCase:
     """A zoo model: :meth:`grads` (one backward under a method), :meth:`train` (the idiom)."""
 
@@ -169,10 +215,13 @@ class JaxCase:
             return all(np.isfinite(v).all() for v in g.grads.values()), g
         return largest_finite_power(at)
 
-    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
-        """``steps`` of the library's training step with adaloss: the losses (÷ factor), the
-        skipped steps, the optimizer's step count and the paths of the non-differentiated
-        state (batch statistics, RNG counts) that changed."""
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None,
+              dynamic: bool = False) -> dict[str, Any]:
+        """``steps`` of the library's training step with adaloss (``dynamic``: with
+        ``jmp.DynamicLossScale`` from :data:`DYNAMIC_INIT` and ``optax.apply_if_finite``
+        instead): the losses (÷ factor), the skipped steps and which ones (``skip_flags``),
+        the optimizer's step count and the paths of the non-differentiated state (batch
+        statistics, RNG counts) that changed."""
         raise NotImplementedError
 
 
@@ -278,13 +327,13 @@ class LinenCase(JaxCase):
         _, g, rep = step(self.params, self.batch_stats, self.batch, self.dropout_key)
         return Grads(_names(g), rep)
 
-    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
-        tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))
-        state = TrainState.create(apply_fn=self.module.apply, params=self.params, tx=tx,
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None,
+              dynamic: bool = False) -> dict[str, Any]:
+        state = TrainState.create(apply_fn=self.module.apply, params=self.params, tx=_optimizer(dynamic),
                                   batch_stats=self.batch_stats, key=self.dropout_key)
 
         @jax.jit
-        def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, jax.Array]:
+        def train_step(state: TrainState, ls: Any, batch: dict[str, jax.Array]) -> Any:
             dropout_key = jax.random.fold_in(key=state.key, data=state.step)
 
             def loss_fn(params: Any) -> tuple[jax.Array, Any]:
@@ -293,16 +342,21 @@ class LinenCase(JaxCase):
                     rngs={"dropout": dropout_key}, mutable=["batch_stats"])
                 return factor * _xent(logits, batch["y"]), updates
 
-            grad_fn = jax_adaloss.value_and_grad(loss_fn, has_aux=True, config=config)
-            (loss, updates), grads = grad_fn(state.params, adaloss_state=state.opt_state)
+            if dynamic:
+                (loss, updates), grads, ls = _jmp_value_and_grad(loss_fn, ls)(state.params)
+            else:
+                grad_fn = jax_adaloss.value_and_grad(loss_fn, has_aux=True, config=config)
+                (loss, updates), grads = grad_fn(state.params, adaloss_state=state.opt_state)
             state = state.apply_gradients(grads=grads)
-            return state.replace(batch_stats=updates.get("batch_stats", state.batch_stats)), loss
+            return state.replace(batch_stats=updates.get("batch_stats", state.batch_stats)), ls, loss
 
-        losses = []
+        losses, counts = [], []
+        ls = _initial_loss_scale()
         for _ in range(steps):
-            state, loss = train_step(state, self.batch)
+            state, ls, loss = train_step(state, ls, self.batch)
             losses.append(float(loss) / factor)
-        return {"losses": losses, "skipped": int(optax.tree.get(state.opt_state, "skipped")),
+            counts.append(_skipped(state.opt_state, dynamic))
+        return {"losses": losses, "skipped": counts[-1], "skip_flags": skip_flags(counts),
                 "state_changed": _changed(self.batch_stats, state.batch_stats), "step": int(state.step)}
 
 
@@ -370,23 +424,32 @@ class NnxCase(JaxCase):
         _, g, rep = step(model, self.batch)
         return Grads(_names(g), rep)
 
-    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None,
+              dynamic: bool = False) -> dict[str, Any]:
         model = self.model()
-        optimizer = nnx.Optimizer(model, jax_adaloss.adaloss(inner=optax.adam(1e-3)), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, _optimizer(dynamic), wrt=nnx.Param)
         before = _snapshot(nnx.state(model, nnx.Not(nnx.Param)))
 
         @nnx.jit
-        def train_step(model: NnxCNN, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]) -> jax.Array:
+        def train_step(model: NnxCNN, optimizer: nnx.Optimizer, ls: Any, batch: dict[str, jax.Array]) -> Any:
             def loss_fn(model: NnxCNN) -> jax.Array:
                 return factor * _xent(model(batch["x"]), batch["y"])
-            loss, grads = jax_adaloss.value_and_grad(loss_fn, config=config)(
-                model, adaloss_state=optimizer.opt_state)
+            if dynamic:
+                (loss, _), grads, ls = _jmp_value_and_grad(lambda m: (loss_fn(m), None), ls, nnx.grad)(model)
+            else:
+                loss, grads = jax_adaloss.value_and_grad(loss_fn, config=config)(
+                    model, adaloss_state=optimizer.opt_state)
             optimizer.update(model, grads)
-            return loss
+            return loss, ls
 
-        losses = [float(train_step(model, optimizer, self.batch)) / factor for _ in range(steps)]
+        losses, counts = [], []
+        ls = _initial_loss_scale()
+        for _ in range(steps):
+            loss, ls = train_step(model, optimizer, ls, self.batch)
+            losses.append(float(loss) / factor)
+            counts.append(_skipped(optimizer.opt_state, dynamic))
         after = _snapshot(nnx.state(model, nnx.Not(nnx.Param)))
-        return {"losses": losses, "skipped": int(optax.tree.get(optimizer.opt_state, "skipped")),
+        return {"losses": losses, "skipped": counts[-1], "skip_flags": skip_flags(counts),
                 "state_changed": _changed(before, after), "step": int(optimizer.step[...])}
 
 
@@ -437,26 +500,32 @@ class EquinoxCase(JaxCase):
         _, g, rep = step(params, self.batch)
         return Grads(_names(g), rep)
 
-    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None) -> dict[str, Any]:
-        tx = jax_adaloss.adaloss(inner=optax.adam(1e-3))
+    def train(self, steps: int, factor: float, config: AdaLossConfig | None = None,
+              dynamic: bool = False) -> dict[str, Any]:
+        tx = _optimizer(dynamic)
         model = self.model
         opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
 
         @eqx.filter_jit
-        def train_step(model: Any, opt_state: Any, batch: dict[str, jax.Array]) -> Any:
+        def train_step(model: Any, opt_state: Any, ls: Any, batch: dict[str, jax.Array]) -> Any:
             params, static = eqx.partition(model, eqx.is_inexact_array)
             loss_fn = self._loss(static, batch)
-            (loss, _), grads = jax_adaloss.value_and_grad(
-                lambda p: _times(loss_fn(p), factor), has_aux=True, config=config)(
-                params, adaloss_state=opt_state)
+            if dynamic:
+                (loss, _), grads, ls = _jmp_value_and_grad(lambda p: _times(loss_fn(p), factor), ls)(params)
+            else:
+                (loss, _), grads = jax_adaloss.value_and_grad(
+                    lambda p: _times(loss_fn(p), factor), has_aux=True, config=config)(
+                    params, adaloss_state=opt_state)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return eqx.apply_updates(model, updates), opt_state, loss
+            return eqx.apply_updates(model, updates), opt_state, ls, loss
 
-        losses = []
+        losses, counts = [], []
+        ls = _initial_loss_scale()
         for _ in range(steps):
-            model, opt_state, loss = train_step(model, opt_state, self.batch)
+            model, opt_state, ls, loss = train_step(model, opt_state, ls, self.batch)
             losses.append(float(loss) / factor)
-        return {"losses": losses, "skipped": int(optax.tree.get(opt_state, "skipped")),
+            counts.append(_skipped(opt_state, dynamic))
+        return {"losses": losses, "skipped": counts[-1], "skip_flags": skip_flags(counts),
                 "state_changed": [], "step": steps}
 
 

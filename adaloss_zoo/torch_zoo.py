@@ -70,6 +70,17 @@ def _llama(seed: int) -> tuple[torch.nn.Module, Any]:
     return LlamaForCausalLM(cfg), _tokens(seed)
 
 
+def _qwen3_moe(seed: int) -> tuple[torch.nn.Module, Any]:
+    """A mixture of experts in transformers' default configuration: its experts run as
+    ``torch._grouped_mm`` over 3-D expert weights (no ``nn.Linear``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=128, max_position_embeddings=64)
+    return Qwen3MoeForCausalLM(cfg), _tokens(seed)
+
+
 def _bert(seed: int) -> tuple[torch.nn.Module, Any]:
     from transformers import BertConfig, BertForMaskedLM
     torch.manual_seed(seed)
@@ -104,6 +115,7 @@ def _image_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 CASES: dict[str, TorchCase] = {c.name: c for c in (
     TorchCase("hf-gpt2", _gpt2, _lm_loss),
     TorchCase("hf-llama", _llama, _lm_loss),
+    TorchCase("hf-qwen3-moe", _qwen3_moe, _lm_loss),
     # the key bias shifts every attention logit of a query equally: softmax ignores it
     TorchCase("hf-bert", _bert, _lm_loss, exclude=("attention.self.key.bias",)),
     TorchCase("torchvision-resnet18", _resnet18, _image_loss),
@@ -234,6 +246,25 @@ def run_adaloss(case: TorchCase, model: torch.nn.Module, batch: Any, factor: flo
                 break
     return RunResult(grads, skipped=scaler.skipped_steps, layers=scaler.layer_reports(),
                      coverage=scaler.coverage(), warnings=[str(w.message) for w in caught])
+
+
+def train(case: TorchCase, factor: float, steps: int, dynamic: bool = False,
+          config: AdaLossConfig | None = None, seed: int = 0) -> list[bool]:
+    """``steps`` of Adam (lr 1e-3) on the case's batch, a fresh model, the loss × ``factor``,
+    with :class:`torch_bridge.AdaLossScaler` (``dynamic``: ``torch.amp.GradScaler`` at its
+    defaults) in the AMP recipe: per step, whether it was skipped."""
+    import torch_bridge
+    model, batch = case.build(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if dynamic else torch_bridge.AdaLossScaler(model, config)
+    flags = []
+    for step in range(steps):
+        before = scaler.get_scale() if dynamic else scaler.skipped_steps
+        scaler.scale(_forward(case, model, batch, factor, seed + step)).backward()
+        scaler.step(opt)
+        scaler.update()
+        flags.append(scaler.get_scale() < before if dynamic else scaler.skipped_steps > before)
+    return flags
 
 
 def run_gradscaler(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float, seed: int = 0,

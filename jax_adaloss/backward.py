@@ -15,7 +15,9 @@ per equation, so the reverse sweep is ours and knows, for every
   of the cotangent: its scale comes from the log-normal model before narrowing;
 - every other equation (activations, norms, softmax, attention products,
   gathers, ``custom_jvp``/``custom_vjp`` functions, ``while``/``cond`` as one
-  opaque block) is linear in its cotangent and passes the scale through;
+  opaque block) is linear in its cotangent and passes the scale through; a
+  multiplication by a scalar that can amplify a 16-bit cotangent (``x·c``, ``|c| > 1``;
+  ``x/c``, ``|c| < 1``) lowers it first (:func:`adaloss.solver.amplified_scale`);
 - a ``scan`` with layers inside is swept per iteration by a reverse ``scan`` that
   re-runs the body (:class:`_ScanRegion`); a ``jax.checkpoint`` region is re-run in
   the backward (rematerialised) and swept like inline code;
@@ -53,9 +55,11 @@ from jax_adaloss.weight_grads import dot_weight_grad, wide_vjp, widenable
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
-_WEIGHTED = ("dot_general", "conv_general_dilated")
+_WEIGHTED = ("dot_general", "conv_general_dilated", "ragged_dot_general")  # ragged: grouped matmuls (MoE)
 _REMAT = ("checkpoint", "remat2")
 _SCALAR_FACTOR = ("mul", "div")
+_KEEPS_VALUE = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+                "expand_dims", "copy", "copy_p")
 _F32 = jnp.float32
 
 
@@ -92,6 +96,8 @@ class _Node:
     widenable: bool = False  # the equation can be re-bound on fp32 inputs
     region: _ScanRegion | None = None  # kind "scan": what its backward re-runs
     axes: tuple[Any, ...] = ()  # a collective's named axes (its transpose moves cotangents across devices)
+    # a mul/div by a scalar that may amplify a 16-bit cotangent: the bound |c| or 1/|c|
+    factor: Any = None
 
 
 @dataclasses.dataclass
@@ -135,6 +141,9 @@ class _Tape:
         self.data_path_ops = 0  # of those, with a data operand that needs a gradient
         self.opaque: list[tuple[str, int]] = []  # (primitive, matmuls inside) of opaque regions
         self.missed: list[str] = []  # why a weighted op with a weight operand got no scale
+        # slot -> its value where a scalar is a constant known at trace time behind ops that
+        # keep it (``pvary`` under ``shard_map``, casts, reshapes): a factor's static bound
+        self.known: dict[int, float] = {}
 
     def slot(self, value: Any, origin: str | None, needs: bool) -> int:
         self.values.append(value)
@@ -223,7 +232,13 @@ class _Tape:
                 node.wide = tuple(k for k, i in enumerate(diff)
                                   if self.origin[ins[i]] not in (None, _CONST))
             self._classify(node, eqn, vals)
+            node.factor = _amplification(prim.name, vals, [self.known.get(s) for s in ins], diff,
+                                         node.wide, out_vals)
             self.nodes.append(node)
+        if prim.name in _KEEPS_VALUE and len(ins) == 1 and len(outs) == 1 and np.size(out_vals[0]) == 1:
+            c = vals[0] if not isinstance(vals[0], jax.core.Tracer) else self.known.get(ins[0])
+            if c is not None:
+                self.known[outs[0]] = float(np.asarray(c, np.float64).reshape(()))
         return outs
 
     def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
@@ -288,7 +303,7 @@ class _Tape:
         inner = _weighted_inside(eqn.params)
         if inner:  # scan/while/cond or a custom rule: no per-layer scale inside
             self.opaque.append((prim, inner))
-        if prim in _WEIGHTED and len(node.ins) == 2:
+        if prim in _WEIGHTED and len(node.ins) == (3 if prim == "ragged_dot_general" else 2):
             origins = [self.origin[s] for s in node.ins]
             self.weighted_ops += 1
             if any(o is None and i in node.diff for i, o in enumerate(origins)):
@@ -368,6 +383,33 @@ def _body_slots(tape: _Tape, r: _ScanRegion, carry: Sequence[Any], x: Sequence[A
     return slots + tape.run(r.body.jaxpr, consts, slots)
 
 
+def _amplification(prim: str, vals: list[Any], known: list[float | None], diff: tuple[int, ...],
+                   wide: tuple[int, ...], out_vals: list[Any]) -> Any:
+    """For ``x·c``, ``c·x`` or ``x/c`` with ``c`` a scalar and a 16-bit (or narrower) result: the
+    factor ``|c|`` (``1/|c|``) the backward multiplies ``x``'s cotangent by, where it may exceed
+    1 (always for a traced ``c`` not ``known`` at trace time: a learned logit scale); ``None``
+    elsewhere (``c/x`` is data-dependent: the back-off is its net)."""
+    if prim not in _SCALAR_FACTOR or len(vals) != 2 or len(out_vals) != 1:
+        return None
+    dtype = jnp.dtype(jnp.result_type(out_vals[0]))
+    if not _is_float(dtype) or dtype.itemsize > 2:
+        return None
+    sizes = [int(np.size(v)) for v in vals]
+    if sorted(sizes)[0] != 1 or sizes[0] == sizes[1]:
+        return None
+    j = sizes.index(1)  # the scalar
+    x = 1 - j
+    if x not in diff or diff.index(x) in wide or (prim == "div" and j == 0):
+        return None
+    c = vals[j] if not isinstance(vals[j], jax.core.Tracer) else known[j]
+    if c is not None:
+        bound = abs(float(np.asarray(c, np.float64).reshape(())))
+        bound = 1.0 / bound if prim == "div" and bound > 0 else (math.inf if prim == "div" else bound)
+        return bound if bound > 1.0 else None
+    c = jnp.abs(jnp.asarray(vals[j], _F32).reshape(()))
+    return 1.0 / c if prim == "div" else c
+
+
 def _weighted_inside(params: dict[str, Any]) -> int:
     """Matmuls/convolutions in the sub-jaxprs of an equation's params (scan, while, cond,
     custom_jvp/custom_vjp bodies), recursively."""
@@ -387,6 +429,11 @@ def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
     if eqn.primitive.name == "dot_general":
         (contract, batch) = eqn.params["dimension_numbers"]
         skip = set(contract[w]) | set(batch[w])
+        return math.prod(d for i, d in enumerate(shape) if i not in skip)
+    if eqn.primitive.name == "ragged_dot_general":  # lhs [m, k] · rhs [groups, k, n]
+        nums = eqn.params["ragged_dot_dimension_numbers"]
+        (contract, batch) = nums.dot_dimension_numbers
+        skip = set(contract[w]) | set(batch[w]) | (set(nums.rhs_group_dimensions) if w == 1 else set())
         return math.prod(d for i, d in enumerate(shape) if i not in skip)
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec
     groups = eqn.params["feature_group_count"]
@@ -500,6 +547,8 @@ class _Sweep:
             else:
                 if node.axes:
                     out_cts, scale = self._agree(out_cts, scale, node.axes)
+                if node.factor is not None and self.adaptive:
+                    out_cts, scale = self._amplified(out_cts, scale, node.factor)
                 for pos, ct in zip(node.diff, self._transpose(node, out_cts)):
                     self.cts[node.ins[pos]].append((ct, scale))
 
@@ -509,6 +558,16 @@ class _Sweep:
         cts, target = agree_across(cts, scale, axes, self._u_max(jnp.result_type(*floats)))
         self._decided(target, self._decided_by(scale))
         return cts, target
+
+    def _amplified(self, cts: list[Any], scale: Any, factor: Any) -> tuple[list[Any], Any]:
+        """:func:`adaloss.solver.amplified_scale` before a scalar factor's transpose: the
+        cotangent (and its scale) lowered by the power of two that keeps ``factor·s·g`` finite."""
+        g = cts[0]
+        r = solver.amplified_scale(self.config, jnp.max(jnp.abs(g)).astype(_F32), factor, jnp,
+                                   self.backoff)
+        target = _settled(scale * r)
+        self._decided(target, self._decided_by(scale))
+        return [_rescale(g, r)], target
 
     def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
         """The node's input cotangents; those going to a weight in (at least) fp32

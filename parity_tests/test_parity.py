@@ -129,3 +129,43 @@ def test_compare_flags_gradients_apart_except_on_boundary_or_skipped_steps():
     b.skipped = a.skipped = True
     b.grads = {"w": np.zeros(4)}
     assert compare([a], [b], grad_tol=GRAD_TOL["default"]).worst_grad == 0.0
+
+
+def test_a_scalar_factor_after_the_head_lowers_the_same_scales_in_both_frameworks():
+    """Logits ×30 in fp16 after the tied head (a temperature): both fronts lower the scale the
+    loss cast decided by the same power of two (2^-5: 30·s·max|g| must stay below u_max) before
+    the factor, so the head receives the same scale; the first backward is finite in both. (The
+    layers below then differ as usual here: torch caps the head's decision for its fp16 weight
+    gradient, which JAX computes in fp32.)"""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from harness import PAIRS, _data, init_params
+    from twin_models import flax_xent, load_flax, torch_name, torch_xent
+
+    import jax_adaloss
+    import torch_bridge
+
+    cls, make_torch, _ = PAIRS["gpt"]
+    params = init_params("gpt", 0)
+    x, xt, y = _data("gpt", 0, 0)
+
+    def loss(p, x, y):
+        return LOSS_FACTOR * flax_xent(cls(dtype=jnp.float16).apply(p, x) * 30.0, y)
+
+    (_, grads), rep = jax_adaloss.value_and_grad(loss, return_report=True)(params, x, y, adaloss_state=None)
+    model = make_torch()
+    load_flax(model, params)
+    scaler = torch_bridge.AdaLossScaler(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        tloss = LOSS_FACTOR * torch_xent(model(xt) * 30.0, torch.from_numpy(y.astype(np.int64)))
+    scaler.scale(tloss).backward()
+    jx = {torch_name(k): r for k, r in rep.layers.items()}
+    tr = scaler.layer_reports()
+    loss_cast = max(jx, key=lambda k: float(jx[k].scale) if k.startswith("cast:") else 0.0)
+    for reports in (jx, tr):
+        assert float(reports["emb.weight"].incoming_scale) == float(reports[loss_cast].outgoing_scale) / 32
+    assert float(jx[loss_cast].scale) == float(tr[loss_cast].scale)
+    assert float(jx["emb.weight"].incoming_scale) == float(tr["emb.weight"].incoming_scale)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(jax_adaloss.unscale_tree(grads)))
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())

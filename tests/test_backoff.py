@@ -6,8 +6,9 @@ exponent ``h`` (optax state / scaler state) rises by one per skipped step and lo
 every decision's target range by ``2^-h``; it falls again after
 ``config.backoff_interval`` finite steps. The models here overflow for sure: an LM head
 over a large summed batch, whose weight gradient is a sum of thousands of fp16
-products (fp16 parameters in JAX), and in torch a temperature ×30 applied to the fp16
-logits after the loss cast decided (the torch head's own fp16 weight gradient is capped). The global
+products (fp16 parameters in JAX), and in torch a per-class gain ×30 (a tensor: a scalar
+factor would be bounded ahead) applied to the fp16 logits after the loss cast decided (the
+torch head's own fp16 weight gradient is capped). The global
 dynamic scales people use (``jmp.DynamicLossScale``, ``torch.amp.GradScaler``) are run
 on the same work: adaloss must not skip more steps in a row than they do.
 """
@@ -24,6 +25,7 @@ import jax_adaloss
 import torch_bridge
 from adaloss import solver
 from adaloss.config import AdaLossConfig
+from adaloss.report import AdaLossCoverageWarning
 from torch_bridge._xp import np_xp
 from torch_bridge._xp import xp as torch_xp
 
@@ -176,8 +178,9 @@ def test_adaloss_state_keyword_must_hold_the_transformation_state():
 
 # -- torch: fp32 parameters under autocast; the node computes the head's weight gradient in fp16
 class _LM(torch.nn.Module):
-    """An LM head; ``temperature`` multiplies the fp16 logits (after the head, before the fp32
-    loss), an amplifying op between the loss cast's decision and the head that no cap sees."""
+    """An LM head; a per-class gain of ``temperature`` multiplies the fp16 logits (after the
+    head, before the fp32 loss), an amplifying op between the loss cast's decision and the head
+    that no cap sees (a tensor, not a scalar factor)."""
 
     def __init__(self, temperature=1.0):
         super().__init__()
@@ -185,10 +188,10 @@ class _LM(torch.nn.Module):
         self.W = torch.nn.Linear(D, D)
         self.head = torch.nn.Linear(D, V)
         torch.nn.init.normal_(self.head.weight, 0, 1)
-        self.temperature = temperature
+        self.register_buffer("gain", torch.full((V,), float(temperature)))
 
     def forward(self, t):
-        return self.head(torch.tanh(self.W(self.emb(t)))) * self.temperature
+        return self.head(torch.tanh(self.W(self.emb(t)))) * self.gain
 
 
 def _torch_run(make_scaler, batch=8192, temperature=1.0):
@@ -226,7 +229,7 @@ def test_torch_linear_weight_gradient_is_capped_where_gradscaler_overflows():
 def test_torch_overflow_no_cap_sees_backs_off_no_slower_than_gradscaler():
     ada, scaler = _torch_run(torch_bridge.AdaLossScaler, temperature=30.0)
     gs, _ = _torch_run(lambda m: torch.amp.GradScaler("cpu"), temperature=30.0)
-    assert not ada[0], "the fp16 temperature must overflow the capped cotangent at first"
+    assert not ada[0], "the fp16 gain must overflow the capped cotangent at first"
     assert ada[-1] and all(ada[ada.index(True):]), ada
     assert _run_lengths(ada) <= _run_lengths(gs), (ada, gs)
     assert scaler.backoff == ada.index(True) and scaler.skipped_steps == ada.index(True)
@@ -281,3 +284,79 @@ def test_torch_conv_weight_gradient_is_capped_where_it_would_overflow():
     assert ada.count(False) <= gs.count(False)
     conv = next(r for k, r in scaler.layer_reports().items() if k.startswith("conv.weight"))
     assert float(conv.unrounded_scale) < float(conv.model_scale), "the cap must be what holds the scale"
+
+
+def _finite_steps(model, x, y, make_scaler, loss_fn, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler, finite = make_scaler(model), []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(loss_fn(out.float(), y)).backward()
+        scaler.unscale_(opt)
+        finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+    return finite
+
+
+class _Stem(torch.nn.Module):
+    """A strided convolution on images, summed into logits: a first layer (its input needs no
+    gradient, so no decision) whose fp16 weight and bias gradients sum 64 × 64 positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 10, 4, stride=4)
+
+    def forward(self, x):
+        return self.proj(x).sum((2, 3))
+
+
+def test_torch_first_layer_weight_gradient_is_capped():
+    # confident logits (×30, in fp32): the loss cast lifts the cotangent to the overflow cap,
+    # and the first layer's bias gradient sums it over every row and position. Unguarded it was
+    # inf at every step; GradScaler from 2^16 skips its first steps
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+    def xent(z, y):
+        return torch.nn.functional.cross_entropy(30.0 * z, y, reduction="sum")
+
+    torch.manual_seed(0)
+    model = _Stem()
+    with pytest.warns(AdaLossCoverageWarning, match="no layer found"):  # nothing else to decide
+        ada = _finite_steps(model, x, y, torch_bridge.AdaLossScaler, xent)
+    gs = _finite_steps(model, x, y, lambda m: torch.amp.GradScaler("cpu"), xent)
+    assert all(ada), ada
+    assert not gs[0]
+
+
+class _SplitBias(torch.nn.Module):
+    """A linear head on a non-contiguous 3-D input: PyTorch adds its bias apart from the matmul
+    (an ``AddBackward0`` whose bias gradient is a fp16 sum over 32 × 256 rows), after per-position
+    gains that spread the cotangent over five decades."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 32, 4, stride=4)
+        self.head = torch.nn.Linear(32, 10)
+        self.register_buffer("gain", torch.logspace(-5, 0, 256).reshape(1, 1, 16, 16))
+
+    def forward(self, x):
+        return self.head((self.proj(x) * self.gain).flatten(2).transpose(1, 2)).sum(1)
+
+
+def test_torch_bias_added_apart_from_its_matmul_is_capped():
+    # unguarded, head.bias's gradient was inf at every step (the back-off halved the scales
+    # each time); GradScaler's is finite here
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 3, 64, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+    def xent(z, y):
+        return 1e-6 * torch.nn.functional.cross_entropy(z, y, reduction="sum")
+
+    torch.manual_seed(0)
+    model = _SplitBias()
+    assert all(_finite_steps(model, x, y, torch_bridge.AdaLossScaler, xent))
+    assert all(_finite_steps(model, x, y, lambda m: torch.amp.GradScaler("cpu"), xent))

@@ -83,3 +83,29 @@ def test_two_layer_scales_by_hand(model, bounds):
     assert float(grads["E"].scale) == s1 * s2
     # at least one scale is non-trivial, so the test means something
     assert max(s1, s2) > 1.0
+
+
+def test_grouped_matmul_experts_are_a_layer():
+    """``jax.lax.ragged_dot`` (MoE experts as one grouped matmul over 3-D weights) is a layer:
+    its expert weights get a decision, and the gradients are fp32's."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    params = {"up": jax.random.normal(k1, (16, 16)) * 0.25,
+              "experts": jax.random.normal(k2, (4, 16, 32)) * 0.25,
+              "down": jax.random.normal(k3, (32, 4)) * 0.2}
+    x = jax.random.normal(k4, (64, 16))
+    groups = jnp.array([10, 20, 30, 4], jnp.int32)
+
+    def loss(p, x, dtype):
+        h = jax.nn.relu(x.astype(dtype) @ p["up"].astype(dtype))
+        h = jax.nn.relu(jax.lax.ragged_dot(h, p["experts"].astype(dtype), groups))
+        return 1e-6 * jnp.mean(jnp.square((h @ p["down"].astype(dtype)).astype(jnp.float32)))
+
+    ref = jax.grad(loss)(params, x, jnp.float32)
+    (_, grads), rep = jax_adaloss.value_and_grad(loss, return_report=True)(
+        params, x, jnp.float16, adaloss_state=None)
+    # the first matmul reads the batch (no gradient to send): the other two are layers
+    assert "experts" in rep.layers and rep.coverage.layers == 2 and rep.coverage.weighted_ops == 3
+    assert rep.layers["experts"].fan_in == 32
+    for name, g in jax_adaloss.unscale_tree(grads).items():
+        err = float(jnp.linalg.norm(g - ref[name]) / jnp.linalg.norm(ref[name]))
+        assert err < 5e-3, (name, err)

@@ -221,3 +221,21 @@ def test_checkpointed_weight_from_other_ops_raises_with_the_remedy():
         loss = 1e-6 * torch.nn.functional.cross_entropy(net(x).float(), y)
     scaler.scale(loss).backward()
     assert net.mid.weight.grad is not None and net.mid.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm", "eager"])
+def test_moe_expert_weights_are_layers_in_every_experts_implementation(experts):
+    """transformers' MoE experts: ``torch._grouped_mm`` over 3-D expert weights (the default),
+    ``bmm`` over weights gathered per token (``batched_mm``), a loop of ``F.linear`` (``eager``):
+    every expert weight tensor gets a layer decision, and the gradients stay those of fp16."""
+    case = tz.CASES["hf-qwen3-moe"]
+    model, batch = case.build(0)
+    model.config._experts_implementation = experts
+    ref = tz.reference_grads(case, model, batch)
+    run = tz.run_adaloss(case, model, batch, 1e-6)
+    experts_found = {k.split("@")[0] for k in run.layers if ".experts." in k}
+    assert experts_found == {f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)
+                             for w in ("gate_up_proj", "down_proj")}
+    assert run.coverage.layers == run.coverage.weighted_ops and not run.warnings
+    err = grad_error(run.grads, ref, case.exclude)
+    assert not err.zero and err.worst < 2e-3, (err.worst, err.zero)

@@ -161,7 +161,10 @@ class _SyncCounter:
             orig = getattr(torch.Tensor, name)
 
             def wrapped(t, *a, _orig=orig, **k):
-                self.count += 1
+                # a Python number autograd saved (a 0-d float64/int64 CPU tensor on every
+                # device) is read without touching the device: not a synchronisation
+                if not (t.device.type == "cpu" and t.dim() == 0 and t.dtype in (torch.float64, torch.int64)):
+                    self.count += 1
                 return _orig(t, *a, **k)
             monkeypatch.setattr(torch.Tensor, name, wrapped)
 

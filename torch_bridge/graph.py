@@ -9,12 +9,15 @@ module walks that graph once and decides, in the same terms as
   casts, transposes, views, scalar factors); an *activation* depends on data:
   an input tensor that does not require grad (a ``None`` edge), an
   embedding/index lookup, or a leaf tensor that is not a parameter;
-- a *layer* is a matmul (``mm``/``addmm``/``bmm``/``baddbmm``/``mv``/``addmv``)
-  or convolution with exactly one weight operand and an activation operand that
-  needs a gradient; its fan-in ``n`` is the weight's extent along the output
+- a *layer* is a matmul (``mm``/``addmm``/``bmm``/``baddbmm``/``mv``/``addmv``,
+  ``torch._grouped_mm``) or convolution with exactly one weight operand (or one operand
+  gathered from a parameter by data indices: per-token expert weights) and an activation
+  operand that needs a gradient; its fan-in ``n`` is the weight's extent along the output
   dimension (out_channels·kh·kw/groups for a convolution);
 - a *cast* is a node that narrows the cotangent for one of its inputs (an
   ``fp16 → fp32`` upcast in forward, explicit or by type promotion);
+- a *factor* is a mul/div by a scalar that can amplify a 16-bit cotangent: its hook
+  lowers the scale first (:func:`adaloss.solver.amplified_scale`);
 - every other node passes its incoming scale through;
 - a value consumed by several nodes whose contributions carry different scales
   is a *merge point*; a node whose outputs carry different scales merges them.
@@ -28,6 +31,7 @@ loop classifies its graph once, not every step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -44,15 +48,21 @@ _MATMUL: dict[str, tuple[tuple[int, int], tuple[str, str]]] = {
     "BaddbmmBackward0": ((1, 2), ("_saved_batch1", "_saved_batch2")),
     "MvBackward0": ((0, 1), ("_saved_self", "_saved_vec")),
     "AddmvBackward0": ((1, 2), ("_saved_mat", "_saved_vec")),
+    # torch._grouped_mm (transformers' default MoE experts): tokens [T, K] @ experts [E, K, N]
+    "GroupedMmBackward0": ((0, 1), ("_saved_self", "_saved_mat2")),
 }
 _CONV = "ConvolutionBackward0"  # edges: input 0, weight 1, bias 2
 # nodes whose forward read a tensor by data-dependent indices (the indices are no edge)
 _LOOKUP = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0",
                      "IndexSelectBackward0", "GatherBackward0", "TakeBackward0"})
 # elementwise nodes whose non-differentiated operand may be a scalar constant
-_WEIGHT_RIGHT_2D = ("MmBackward0", "AddmmBackward0")  # x [rows, in] @ W [in, out]
+_VECTOR = ("MvBackward0", "AddmvBackward0")  # no weight-gradient cap for these
 _SCALAR_OPERAND = {"MulBackward0": ("_raw_saved_self", "_raw_saved_other"),
                    "DivBackward0": ("_raw_saved_self", "_raw_saved_other")}
+# nodes whose gradient for a broadcast operand is a sum over the broadcast entries: the saved
+# operand that multiplies the cotangent in it (None: the cotangent itself)
+_BROADCAST = {"AddBackward0": (None, None), "SubBackward0": (None, None),
+              "MulBackward0": ("_saved_other", "_saved_self")}
 # nodes that move or copy entries without changing them (a weight's statistics are those of
 # its parameter): the one edge that carries the weight
 _STRUCTURAL = frozenset({
@@ -65,6 +75,9 @@ _CAST = "ToCopyBackward0"
 # reached by a nested backward, not edges) and torch.compile (AOTAutograd)
 _REGIONS = ("CheckpointFunctionBackward", "CompiledFunctionBackward")
 _ACT = None  # origin of activations; a weight's origin is its parameter name
+# node kinds that only lower the scale they pass on, where the node would make a 16-bit value
+# overflow: a scalar factor, a first layer's weight gradient (no decision, no report)
+NO_DECISION = ("op", "factor", "input")
 
 
 def _is_float(dtype: torch.dtype) -> bool:
@@ -95,16 +108,27 @@ class NodePlan:
     stash_edges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     act_edge: int = -1
     weight_attr: str = ""
-    # a 2-D matmul layer with its weight on the right (``nn.Linear``) or a convolution: the saved
-    # activation ``x`` of ``dW = xᵀ·g``, whose column (channel) norms cap the node's fp16 weight
-    # gradient
+    # a matmul or convolution layer: the saved activation ``x`` of ``dW = xᵀ·g`` (``g·xᵀ`` with
+    # the weight on the left), whose column (channel) norms cap the node's fp16 weight gradient;
+    # the weight operand's position (0: left, 1: right)
     act_attr: str = ""
+    weight_side: int = 1
     # the weight operand rebuilt from its parameter when the node's saved copy must not be
     # read (saved-tensor hooks: torch.utils.checkpoint): (leaf position, ops in forward order:
     # ("cast", dtype) or ("mul" | "div" | "rdiv", (node position, attribute of the scalar)))
     recipe: tuple[int, tuple[tuple[str, Any], ...]] | None = None
     fan_in: int = 1
     narrow_dtype: torch.dtype | None = None  # a cast's: the dtype its cotangent is narrowed to
+    # a "factor" node (``x·c``, ``x/c`` with ``c`` a scalar, on a 16-bit cotangent): the saved
+    # attribute holding ``c``, and whether the node divides by it
+    factor_attr: str = ""
+    factor_div: bool = False
+    # a "factor" node that adds (multiplies) a weight broadcast over the 16-bit cotangent (a bias
+    # added apart from its matmul, a per-channel scale): its gradient, a sum over the broadcast
+    # entries, is reduced in 16 bits; the weight operand's shape, and (a multiplication) the
+    # saved activation operand it is multiplied with
+    reduce_shape: tuple[int, ...] = ()
+    reduce_attr: str = ""
 
     @property
     def hooked_before(self) -> bool:
@@ -153,7 +177,8 @@ class _Walk:
             self.edges.append(tuple(edges))
             var = getattr(node, "variable", None)
             key.append((node.name(), self.edges[-1],
-                        None if var is None else (id(var), param_names.get(id(var)))))
+                        None if var is None else (id(var), param_names.get(id(var))),
+                        tuple(f[3] for f in _scalar_factors(node))))
             i += 1
         self.key = tuple(key)
 
@@ -194,7 +219,7 @@ class ScalePlan:
 
     def layers(self) -> list[NodePlan]:
         """Layer, cast and region nodes in forward order."""
-        return sorted((p for p in self.order if p.kind != "op"), key=lambda p: p.rank)
+        return sorted((p for p in self.order if p.kind not in NO_DECISION), key=lambda p: p.rank)
 
 
 def _check_format(order: tuple[NodePlan, ...], grad_dtype: torch.dtype) -> None:
@@ -266,7 +291,7 @@ class _Builder:
         self.weighted_ops = 0
         self.missed: list[str] = []
         names: dict[str, int] = defaultdict(int)
-        casts = regions = 0
+        casts = regions = factors = inputs = 0
         for plan in sorted(self.plans, key=lambda p: p.rank):  # forward order
             if self._as_layer(plan):
                 k = names[plan.name]
@@ -278,6 +303,12 @@ class _Builder:
             elif self.cast_rule and self._narrows(plan):
                 plan.kind, plan.name = "cast", f"cast:{casts}"
                 casts += 1
+            elif plan.kind == "input":
+                plan.name = f"input:{inputs}"
+                inputs += 1
+            elif self._amplifies(plan):
+                plan.kind, plan.name = "factor", f"factor:{factors}"
+                factors += 1
 
     def _node_origin(self, o: int) -> str | None:
         node, plan = self.nodes[o], self.plans[o]
@@ -314,26 +345,53 @@ class _Builder:
         edges = plan.edges
         origins = [_ACT if edges[i] is None else self.origin[edges[i][0]] for i in operands]
         weights = [j for j in (0, 1) if origins[j] is not _ACT]
+        if not weights:  # a parameter gathered by data indices (per-token expert weights)?
+            gathered = {j: self._gathered(edges[i]) for j, i in enumerate(operands) if edges[i] is not None}
+            weights = [j for j, name in gathered.items() if name is not None]
+            for j in weights:
+                origins[j] = gathered[j]
         if len(weights) != 1:
             return False  # activation·activation (attention) or weight·weight
         w = weights[0]
         act = operands[1 - w]
-        if edges[act] is None:
-            return False  # the activation needs no gradient (first layer)
         if kind == _CONV and w != 1:
             self.missed.append("a convolution whose weight is its input operand")
+            return False
+        if kind == _CONV:
+            plan.act_attr = "_saved_input"
+        elif kind not in _VECTOR:
+            plan.act_attr, plan.weight_side = attrs[1 - w], w
+        if edges[act] is None:  # the first layer: its input needs no gradient, nothing to scale;
+            # its fp16 weight gradient is still guarded (see ScaledBackward._input_layer)
+            if plan.act_attr and edges[operands[w]] is not None:
+                plan.kind = "input"
             return False
         producer = edges[operands[w]]
         shape = tuple(self.nodes[producer[0]]._input_metadata[producer[1]].shape)
         plan.kind, plan.name = "layer", origins[w]
         plan.act_edge, plan.weight_attr = act, attrs[w]
-        if kind in _WEIGHT_RIGHT_2D and w == 1:
-            plan.act_attr = attrs[0]
-        elif kind == _CONV:
-            plan.act_attr = "_saved_input"
         plan.recipe = self._recipe(producer)
         plan.fan_in = _fan_in(kind, w, shape, node)
         return True
+
+    def _gathered(self, edge: tuple[int, int]) -> str | None:
+        """The parameter whose slices arrive on ``edge`` as a matmul operand, gathered by data
+        indices (``W[expert_ids]``: transformers' ``batched_mm`` experts) through casts and moves;
+        None otherwise. The node's saved operand holds the gathered weights: their statistics
+        are the experts', weighted by how many tokens each received."""
+        o = edge[0]
+        while True:
+            node, plan = self.nodes[o], self.plans[o]
+            live = [e for e in plan.edges if e is not None]
+            if len(live) != 1:
+                return None
+            kind = node.name()
+            if kind in ("IndexBackward0", "IndexSelectBackward0"):
+                origin = self.origin[live[0][0]]
+                return None if origin is _ACT else origin
+            if kind != _CAST and kind not in _STRUCTURAL:
+                return None
+            o = live[0][0]
 
     def _recipe(self, edge: tuple[int, int]) -> tuple[int, tuple[tuple[str, Any], ...]] | None:
         """How the weight operand arriving on ``edge`` is computed from one parameter: casts and
@@ -371,6 +429,37 @@ class _Builder:
             return False
         return any(e is not None and self.plans[e[0]].leaf and self.origin[e[0]] is not _ACT
                    for e in plan.edges)
+
+    def _amplifies(self, plan: NodePlan) -> bool:
+        """A node whose 16-bit backward can overflow where the decisions before it cannot see:
+        a mul/div by a scalar that may multiply the cotangent by more than 1 (see
+        :func:`_scalar_factors`; :func:`adaloss.solver.amplified_scale`), or an add/mul with a
+        weight broadcast over the cotangent, whose gradient sums it (see ``_BROADCAST``;
+        :func:`adaloss.solver.weight_grad_cap`). Its hook lowers the scale first."""
+        if not plan.out_dtypes or not _is_float(plan.out_dtypes[0]) or plan.out_dtypes[0].itemsize > 2:
+            return False
+        node = self.nodes[plan.index]
+        for edge, attr, div, amplifies in _scalar_factors(node):
+            e = plan.edges[edge]
+            if e is None or amplifies is False:
+                continue
+            if math.prod(self._shape(e)) == 1:
+                continue  # a scalar times a scalar
+            plan.factor_attr, plan.factor_div = attr, div
+            break
+        attrs = _BROADCAST.get(node.name())
+        if attrs is not None:
+            out = math.prod(node._input_metadata[0].shape)
+            for i, e in enumerate(plan.edges[:2]):
+                if e is None or self.origin[e[0]] is _ACT or math.prod(self._shape(e)) >= out:
+                    continue
+                plan.reduce_shape, plan.reduce_attr = tuple(self._shape(e)), attrs[i] or ""
+                break
+        return bool(plan.factor_attr or plan.reduce_shape)
+
+    def _shape(self, edge: tuple[int, int]) -> list[int]:
+        """The shape of the value on ``edge`` (its gradient's)."""
+        return list(self.nodes[edge[0]]._input_metadata[edge[1]].shape)
 
     def _narrows(self, plan: NodePlan) -> bool:
         wide = [d.itemsize for d in plan.out_dtypes if _is_float(d)]
@@ -435,6 +524,38 @@ def _scalar_operand(node: Any, i: int) -> bool:
     saved = getattr(node, attrs[i], None)
     data = getattr(saved, "data", None)
     return isinstance(data, torch.Tensor) and data.numel() == 1
+
+
+def _scalar_factors(node: Any) -> tuple[tuple[int, str, bool, bool | None], ...]:
+    """The scalar factors of a ``MulBackward0`` / ``DivBackward0`` node: ``(edge, saved attribute
+    of the scalar, divides, amplifies)`` for each operand ``x`` multiplied (``x·c``, ``c·x``) or
+    divided (``x/c``) by a saved one-element ``c``; ``amplifies`` says whether ``|c| > 1`` (a
+    divisor's ``|c| < 1``) where ``c`` is a Python number (read without a device sync), None
+    for a tensor (its hook decides on the device). ``c/x`` is data-dependent: not listed.
+    Saved operands packed by saved-tensor hooks are not read."""
+    kind = node.name()
+    attrs = _SCALAR_OPERAND.get(kind)
+    if attrs is None:
+        return ()
+    out = []
+    for edge in ((0,) if kind == "DivBackward0" else (0, 1)):
+        attr = attrs[1 - edge]
+        data = getattr(getattr(node, attr, None), "data", None)
+        if not isinstance(data, torch.Tensor) or data.numel() != 1:
+            continue
+        div = kind == "DivBackward0"
+        amplifies = None
+        if _is_python_number(data):
+            c = abs(float(data.detach()))
+            amplifies = (c < 1.0) if div else (c > 1.0)
+        out.append((edge, attr, div, amplifies))
+    return tuple(out)
+
+
+def _is_python_number(t: torch.Tensor) -> bool:
+    """A Python number autograd saved as an operand: PyTorch wraps it in a 0-d CPU tensor of
+    float64 or int64, on every device's graph."""
+    return t.device.type == "cpu" and t.dim() == 0 and t.dtype in (torch.float64, torch.int64)
 
 
 def _fan_in(kind: str, w: int, shape: tuple[int, ...], node: Any) -> int:

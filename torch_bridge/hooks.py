@@ -22,6 +22,7 @@ host), NumPy scalars for CPU gradients (:mod:`torch_bridge._xp`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
 from torch_bridge._xp import ON_TENSORS, ScalarMath, scalar_math, xp
-from torch_bridge.graph import NodePlan, ScalePlan
+from torch_bridge.graph import NO_DECISION, NodePlan, ScalePlan
 
 _F32 = torch.float32
 
@@ -345,7 +346,7 @@ class ScaledBackward:
             return None  # a backward of another graph through a shared node
         p = self.plan.order[i]
         self._merge_outputs(p, go)
-        if p.kind != "op" and self.capture and go[0] is not None:
+        if p.kind not in NO_DECISION and self.capture and go[0] is not None:
             self.captured[p.name] = go[0]
             self.captured_scales[p.name] = self.values[p.sym]
         if p.kind != "op" and not self.adaptive:
@@ -354,6 +355,10 @@ class ScaledBackward:
             self._layer(p, go)
         elif p.kind in ("cast", "region"):
             self._cast(p, go)
+        elif p.kind == "factor":
+            self._factor(p, go)
+        elif p.kind == "input":
+            self._input_layer(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
             param = self.plan.params[i]
             go[0], carried = self.on_leaf(param, go[0], self.sm.to_torch(self.values[p.sym]), None)
@@ -530,6 +535,66 @@ class ScaledBackward:
         if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
             self.regions.append(outgoing)
 
+    def _factor(self, p: NodePlan, go: list[Any]) -> None:
+        """Before ``x·c`` / ``x/c`` (``c`` a scalar) multiplies the 16-bit cotangent by ``|c|`` /
+        ``1/|c|`` (:func:`adaloss.solver.amplified_scale`), and before a weight broadcast over it
+        gets its gradient summed in 16 bits (:meth:`_reduction_cap`): the cotangent and its
+        scale lowered by the power of two that keeps both finite."""
+        g, incoming = go[0], self.values[p.sym]
+        if g is None or incoming is None:
+            self.values[p.send] = incoming
+            return
+        sx, r = self.sm.xp, None
+        data = getattr(getattr(self.plan.nodes[p.index], p.factor_attr, None), "data", None)
+        if p.factor_attr and isinstance(data, torch.Tensor):
+            c = data.detach().to(device=g.device, dtype=_F32).abs().reshape(())
+            factor = 1.0 / c if p.factor_div else c
+            m = g.abs().amax().to(_F32)
+            r = solver.amplified_scale(self.config, self.sm.to_xp(m), self.sm.to_xp(factor), sx, self.bo)
+        cap = self._reduction_cap(p, g) if p.reduce_shape else None
+        if cap is not None:
+            r2 = solver.at_most(cap, sx)
+            r = r2 if r is None else sx.minimum(r, r2)
+        if r is None:
+            self.values[p.send] = incoming
+            return
+        self._lowered(p, go, r)
+
+    def _reduction_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
+        """:func:`adaloss.solver.weight_grad_cap` for the gradient of a weight broadcast over
+        ``g`` (``p.reduce_shape``): each of its entries sums the entries of ``g`` (times those
+        of the saved activation, for a product) it was broadcast to, bounded by Cauchy-Schwarz
+        over them. None where the activation is packed by saved-tensor hooks."""
+        shape = p.reduce_shape
+        rows = g.numel() // max(1, math.prod(shape))
+        g_norm = g.to(_F32).square().sum_to_size(shape).amax().sqrt()
+        x_norm = torch.zeros((), dtype=_F32, device=g.device)
+        if p.reduce_attr:
+            x = self._saved(p, p.reduce_attr)
+            if x is None:
+                return None
+            x_norm = x.detach().to(_F32).square().expand(g.shape).sum_to_size(shape).amax().sqrt()
+            rows = 0  # no bias term: the bound is the two norms'
+        return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm), rows,
+                                      self.sm.xp, self.bo)
+
+    def _input_layer(self, p: NodePlan, go: list[Any]) -> None:
+        """A first layer (its input needs no gradient: no decision) computes its weight and bias
+        gradients in 16 bits from the cotangent it receives: lowered by the power of two that
+        keeps them finite (:func:`adaloss.solver.weight_grad_cap`)."""
+        g, incoming = go[0], self.values[p.sym]
+        cap = None if g is None or incoming is None else self._weight_grad_cap(p, g)
+        if cap is None:
+            self.values[p.send] = incoming
+            return
+        self._lowered(p, go, solver.at_most(cap, self.sm.xp))
+
+    def _lowered(self, p: NodePlan, go: list[Any], r: Any) -> None:
+        """The node's cotangent and the scale it passes on, times ``r`` (a power of two ≤ 1)."""
+        self.values[p.send] = self.values[p.sym] * r
+        self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
+        go[0] = self._rescale(go[0], r)
+
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
         """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
         (``torch.utils.checkpoint``: reading it here would leave none for the node's backward)."""
@@ -540,25 +605,36 @@ class ScaledBackward:
         return None
 
     def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
-        """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight and bias
-        gradients in ``g``'s 16-bit dtype from ``s·g``: an ``nn.Linear`` (``mm``/``addmm``, the
-        weight on the right; columns are the features) or a convolution (channels: every entry
-        of ``dW[o, c, k…]`` sums, over batch and positions, products of ``g[:, o]`` with distinct
-        entries of ``x[:, c]``, so Cauchy-Schwarz bounds it by the two channels' norms); None
-        elsewhere (other layers, fp32 gradients, an activation packed by saved-tensor hooks)."""
+        """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight (and bias)
+        gradient in ``g``'s 16-bit dtype from ``s·g``: a matmul (``nn.Linear``, HF ``Conv1D``,
+        ``bmm``/``matmul`` with a parameter, ``torch._grouped_mm`` experts: batch and token
+        dimensions are rows, so the bound also holds for a weight expanded over a batch, whose
+        gradient sums them) or a convolution (channels are columns: every entry of
+        ``dW[o, c, k…]`` sums, over batch and positions, products of ``g[:, o]`` with distinct
+        entries of ``x[:, c]``); None elsewhere (``mv``, fp32 gradients, an activation packed by
+        saved-tensor hooks)."""
         if not p.act_attr or g.dtype.itemsize > 2:
             return None
         x = self._saved(p, p.act_attr)
-        conv = p.act_attr == "_saved_input"
-        if x is None or x.dim() != g.dim() or (not conv and g.dim() != 2):
+        if x is None or x.dim() < 2 or g.dim() < 2:
             return None
-        if conv:  # [N, C, spatial...] -> [C, N·positions]: a channel is a column
+        if p.act_attr == "_saved_input":  # [N, C, spatial...] -> [N·positions, C]
+            # (a strided or padded convolution reads a subset of each input channel: its
+            # norm over every position still bounds the subset's)
+            if x.dim() != g.dim():
+                return None
             g, x = g.transpose(0, 1).flatten(1).t(), x.transpose(0, 1).flatten(1).t()
+        elif p.weight_side == 0:  # W @ x: dW = g·xᵀ, rows are the last dimension
+            g = g.transpose(-1, -2).reshape(-1, g.shape[-2])
+            x = x.transpose(-1, -2).reshape(-1, x.shape[-2])
+        else:
+            g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        if p.act_attr != "_saved_input" and g.shape[0] != x.shape[0]:
+            return None
         g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
         x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
-        rows = g.shape[0]
         return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
-                                      rows, self.sm.xp, self.bo)
+                                      g.shape[0], self.sm.xp, self.bo)
 
     def _weight(self, p: NodePlan) -> torch.Tensor:
         """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
