@@ -191,19 +191,24 @@ def departures(docs: Path) -> str:
 
 
 def skips(docs: Path) -> str:
-    """Skipped steps training the zoo, adaloss against a global dynamic scale (``docs/skips.json``)."""
+    """Skipped steps training the zoo, adaloss against a global dynamic scale (``docs/skips.json``):
+    the runs where either skipped a step, and a count of the others."""
     result = _json(docs, "skips.json")
     rows = result["rows"]
 
     def cell(r: dict[str, Any], m: str) -> str:
         return f"{r['skipped'][m]} ({r['in_a_row'][m]} in a row)" if r["skipped"][m] else "0"
 
+    shown = [r for r in rows if r["skipped"]["adaloss"] or r["skipped"]["dynamic"]]
     lines = ["| framework | model | loss × | adaloss | dynamic scale |", "|---|---|---|---|---|"]
     lines += [f"| {r['framework']} | {r['model']} | {r['factor']:g} | {cell(r, 'adaloss')} | "
-              f"{cell(r, 'dynamic')} |" for r in rows]
+              f"{cell(r, 'dynamic')} |" for r in shown]
+    models = len({(r["framework"], r["model"]) for r in rows})
+    factors = ", ".join(f"×{f:g}" for f in dict.fromkeys(r["factor"] for r in rows))
     worse = sum(r["skipped"]["adaloss"] > r["skipped"]["dynamic"]
                 or r["in_a_row"]["adaloss"] > r["in_a_row"]["dynamic"] for r in rows)
-    lines += ["", f"{len(rows)} runs of {rows[0]['steps']} steps: adaloss skipped "
+    lines += ["", f"{len(rows)} runs of {rows[0]['steps']} steps ({models} models at loss {factors}); "
+              f"neither skipped a step in the {len(rows) - len(shown)} runs not shown. adaloss skipped "
               f"{sum(r['skipped']['adaloss'] for r in rows)} steps in all, the dynamic scale "
               f"{sum(r['skipped']['dynamic'] for r in rows)}; adaloss skipped more (in all or in a row) "
               f"on {worse} of {len(rows)} runs."]

@@ -1,6 +1,6 @@
 """The model zoo: code nobody here wrote, in the patterns its communities use.
 
-For every model (HF GPT2, Llama, BERT; torchvision resnet18; timm ViT; Flax linen CNN
+For every model (HF GPT2, Llama, Qwen3-MoE, BERT; torchvision resnet18; timm ViT; Flax linen CNN
 and transformer through ``TrainState`` with the batch closed over; nnx with BatchNorm
 and Dropout through ``nnx.Optimizer``; Equinox) at loss ×1 and ×1e-6, with the
 default config: every Linear/Conv whose input needs a gradient is found as a layer,
@@ -20,6 +20,8 @@ median at ×1e-6, so a layer that stops scaling, or a decision that leaves cotan
 in the subnormal range again, fails here.
 """
 
+import json
+import pathlib
 import warnings
 
 import numpy as np
@@ -157,3 +159,44 @@ def test_ablation_baselines_on_zoo_models():
     ratio = (grad_error(ablated.grads, ref, cnn.exclude).median
              / grad_error(default.grads, ref, cnn.exclude).median)
     assert ratio > 1.3, ratio
+
+
+SKIP_FACTORS = (1.0, 1e-3, 1e-6)
+
+
+def _skips_benchmark():
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "skips.py"
+    spec = importlib.util.spec_from_file_location("skips", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("framework, model", [("torch", "hf-gpt2"), ("jax", "equinox-mlp")])
+def test_training_skips_no_more_steps_than_a_dynamic_global_scale(framework, model):
+    """30 steps of Adam in the library's idiom at loss ×1, ×1e-3, ×1e-6: adaloss skips no more
+    steps than ``torch.amp.GradScaler`` / ``jmp.DynamicLossScale``, in all or in a row (the
+    benchmark runs every zoo model: ``benchmarks/skips.py``, read below)."""
+    rows = _skips_benchmark().main(["--framework", framework, "--models", model, "--factors",
+                                    *map(str, SKIP_FACTORS)])
+    assert [r["factor"] for r in rows] == list(SKIP_FACTORS) and all(r["steps"] == 30 for r in rows)
+    for r in rows:
+        assert r["skipped"]["adaloss"] <= r["skipped"]["dynamic"], r
+        assert r["in_a_row"]["adaloss"] <= r["in_a_row"]["dynamic"], r
+
+
+def test_the_committed_skip_counts_cover_the_zoo_and_adaloss_skips_no_more():
+    """``docs/skips.json`` (``python benchmarks/skips.py --json docs/skips.json``) has a 30-step
+    run of every zoo model at every factor, and adaloss skipped no more than the dynamic scale
+    on each: a new zoo model, or a regression found by a rerun, fails here."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "skips.json"
+    rows = json.loads(path.read_text())["rows"]
+    have = {(r["framework"], r["model"], r["factor"]) for r in rows if r["steps"] == 30}
+    want = {(fw, m, f) for fw, cases in (("torch", tz.CASES), ("jax", jz.CASES)) for m in cases
+            for f in SKIP_FACTORS}
+    assert want <= have, sorted(want - have)
+    worse = [r for r in rows if r["skipped"]["adaloss"] > r["skipped"]["dynamic"]
+             or r["in_a_row"]["adaloss"] > r["in_a_row"]["dynamic"]]
+    assert not worse, worse
