@@ -547,7 +547,10 @@ class ScaledBackward:
         sx, r = self.sm.xp, None
         data = getattr(getattr(self.plan.nodes[p.index], p.factor_attr, None), "data", None)
         if p.factor_attr and isinstance(data, torch.Tensor):
-            c = data.detach().to(device=g.device, dtype=_F32).abs().reshape(())
+            if data.device == g.device:
+                c = data.detach().to(_F32).abs().reshape(())
+            else:  # a Python number (a CPU tensor): read on the host, no copy to the device
+                c = torch.full((), abs(float(data)), dtype=_F32, device=g.device)
             factor = 1.0 / c if p.factor_div else c
             m = g.abs().amax().to(_F32)
             r = solver.amplified_scale(self.config, self.sm.to_xp(m), self.sm.to_xp(factor), sx, self.bo)
