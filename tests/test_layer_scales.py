@@ -100,9 +100,9 @@ def test_grouped_matmul_experts_are_a_layer():
         h = jax.nn.relu(jax.lax.ragged_dot(h, p["experts"].astype(dtype), groups))
         return 1e-6 * jnp.mean(jnp.square((h @ p["down"].astype(dtype)).astype(jnp.float32)))
 
-    ref = jax.grad(loss)(params, x, jnp.float32)
-    (_, grads), rep = jax_adaloss.value_and_grad(loss, return_report=True)(
-        params, x, jnp.float16, adaloss_state=None)
+    ref = jax.jit(jax.grad(loss), static_argnums=2)(params, x, jnp.float32)
+    vg = jax_adaloss.value_and_grad(loss, return_report=True)
+    (_, grads), rep = jax.jit(lambda p, x: vg(p, x, jnp.float16, adaloss_state=None))(params, x)
     # the first matmul reads the batch (no gradient to send): the other two are layers
     assert "experts" in rep.layers and rep.coverage.layers == 2 and rep.coverage.weighted_ops == 3
     assert rep.layers["experts"].fan_in == 32
