@@ -26,12 +26,14 @@ class ScaledGrad(NamedTuple):
         micro-batches) breaks ``scale · inverse = 1``, and
         :func:`jax_adaloss.adaloss` skips and counts that step (``mixed_scales``) instead of
         applying a wrong gradient.
-      marker: int32 scalar 0 (or ``None``: unchecked), set with ``inverse``. A transformation
-        that rescales the tree as if its fields were values (``optax.scale``, dividing by a
-        count, ``jax.lax.pmean``, a cast) makes it a float, and rebuilding the ``ScaledGrad``
-        raises at trace time, naming the remedy; clipping (``optax.clip_by_global_norm``)
-        fails on it with a dtype error at trace time. Either way, a misplaced transformation
-        is loud under ``jit`` too, instead of skipping every step.
+      marker: boolean scalar ``False`` (or ``None``: unchecked), set with ``inverse``. A
+        transformation that rescales or sums the tree as if its fields were values
+        (``optax.clip_by_global_norm``, whose norm squares every leaf; ``optax.scale``,
+        dividing by a count, ``jax.lax.pmean``/``psum``, a cast) makes it a number, and
+        rebuilding the ``ScaledGrad`` raises at trace time, naming the remedy: a misplaced
+        transformation is loud under ``jit`` too, instead of skipping every step. (``jnp.add``
+        of two booleans is a boolean: a ``jax.tree.map(jnp.add, ...)`` is caught by
+        ``inverse``.)
     """
 
     value: jax.Array
@@ -47,7 +49,7 @@ class ScaledGrad(NamedTuple):
         of the gradients it was reduced from) carries their inconsistency over."""
         scale = jnp.asarray(scale, jnp.float32)
         inverse = 1.0 / scale if mismatch is None else (1.0 + mismatch) / scale
-        return cls(value, scale, underflow, inverse, jnp.zeros((), jnp.int32))
+        return cls(value, scale, underflow, inverse, jnp.zeros((), jnp.bool_))
 
     def mismatch(self) -> jax.Array:
         """``|scale · inverse − 1|``: 0 for a gradient as the backward made it (0 if unchecked)."""
@@ -85,9 +87,9 @@ MISPLACED = (
 
 
 def _check_marker(marker: Any) -> None:
-    dtype = getattr(marker, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(MISPLACED.format(what=f"its int32 marker came back as {dtype}"))
+    dtype = getattr(marker, "dtype", None)  # (a tangent's float0 is no number: left alone)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.number):
+        raise ValueError(MISPLACED.format(what=f"its boolean marker came back as {dtype}"))
 
 
 def _register(cls: type) -> None:

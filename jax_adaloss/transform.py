@@ -121,7 +121,7 @@ def _consistent(updates: Any) -> jax.Array:
     ok = jnp.max(jnp.stack(checked)) <= MISMATCH_TOL
     if not isinstance(ok, jax.core.Tracer) and not bool(ok):
         raise ValueError(MISPLACED.format(
-            what="scale * inverse != 1: summed with jax.lax.psum or jax.tree.map(jnp.add, ...), "
+            what="scale * inverse != 1: summed with jax.tree.map(jnp.add, ...), "
                  "averaged over devices whose scales differ, or clipped or scaled before adaloss"))
     return ok
 

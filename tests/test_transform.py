@@ -138,12 +138,13 @@ def _misplaced_step(tx, reduce=lambda g: g):
 
 
 @pytest.mark.parametrize("place, error, match", [
-    # a value transformation in front of adaloss would rescale the scales it carries
+    # a value transformation in front of adaloss would rescale the scales it carries (clipping:
+    # its global norm squares every leaf, the boolean marker too)
     ("scale first", ValueError, "adaloss first"),
     ("divide the tree", ValueError, "tree_scale"),
     ("cast the tree", ValueError, "unscale_tree"),
-    # optax's own errors, at trace time: the int32 marker meets lax.select; the structure differs
-    ("clip first", TypeError, "same dtypes"),
+    ("clip first", ValueError, "clip_by_global_norm"),
+    # JAX's own error, at trace time: the tree's structure is not the parameters'
     ("MultiSteps outside", ValueError, "pytree structure"),
 ])
 def test_transformations_placed_before_adaloss_fail_at_trace_time_under_jit(place, error, match):
