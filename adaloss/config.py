@@ -18,14 +18,22 @@ import numpy as np
 
 StatModel = Literal["product", "output", "gradient"]
 STAT_MODELS: tuple[str, ...] = ("product", "output", "gradient")
+Fp8Rule = Literal["decision", "current"]
+FP8_RULES: tuple[str, ...] = ("decision", "current")
 
-#: Gradient number formats by name, the format of the cotangents the decisions govern
-#: (a cotangent in another 16-bit format is refused). fp8 formats are not offered since no
-#: cotangent is ever stored in fp8, so their limits would describe nothing.
+#: Gradient number formats by name, the format of the cotangents the decisions govern.
+#: A 16-bit format is the dtype the model's backward runs in (a cotangent in another 16-bit
+#: format is refused); an 8-bit format is the one every layer's incoming cotangent is stored
+#: in for its two backward GEMMs (:data:`FP8_FORMATS`), whatever the model's dtype.
 GRAD_FORMATS: dict[str, type] = {
     "float16": np.float16,
     "bfloat16": ml_dtypes.bfloat16,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
 }
+#: The 8-bit formats of :data:`GRAD_FORMATS`: each layer quantizes its incoming cotangent to
+#: one (saturating at the format's max) at the scale the backward carries.
+FP8_FORMATS: tuple[str, ...] = ("float8_e5m2", "float8_e4m3fn")
 
 
 #: The largest scale "no bound" allows (``layer_bound``/``accum_bound`` = None): far beyond
@@ -80,10 +88,14 @@ class AdaLossConfig:
         an overflow backs the scales off (``AdaLossState.backoff``, ``AdaLossScaler.backoff``).
       power_of_two: round every scale down to a power of two (exact rescaling).
       init_scale: scale multiplied into the loss cotangent before backprop.
-      grad_format: number format of the low-precision cotangents: ``float16`` or
-        ``bfloat16``; ``u_min``/``u_max`` come from it. It must be the dtype the model's
-        backward runs in: a layer or cast whose cotangent is in another 16-bit format
-        raises ``ValueError``.
+      grad_format: number format of the low-precision cotangents; ``u_min``/``u_max`` come
+        from it. ``float16`` or ``bfloat16``: the dtype the model's backward runs in (a layer
+        or cast whose cotangent is in another 16-bit format raises ``ValueError``).
+        ``float8_e5m2`` or ``float8_e4m3fn``: every layer quantizes its incoming cotangent to
+        that format once (saturating), at the scale the backward carries, and both its
+        backward GEMMs read the fp8 tensor; the model keeps its dtype (fp16, bf16 or fp32).
+        The layer decisions then place their output's spread below the format's max (see
+        ``saturation``) instead of above its smallest normal.
       u_min: override of the format's smallest *normal* number (2^-14 for fp16), the level
         below which a value counts as underflowing. The method's own choice is the smallest
         subnormal (the authors used 6.0e-8): it keeps values from becoming zero but leaves
@@ -112,7 +124,21 @@ class AdaLossConfig:
         statistical scale is multiplied by ``2^k`` (the overflow caps unchanged). It corrects
         what the normal model misses after the backward of a GELU or a softmax, whose
         derivatives leave more tiny entries than a normal distribution has. Off in
-        :meth:`authors_preset`.
+        :meth:`authors_preset`. With an fp8 ``grad_format`` the measured fraction is the one
+        *saturated* at the format's max (over ``saturation``), and the exponent moves both ways
+        (``-MAX_LIFT..MAX_LIFT``): down while more than half of ``saturation`` saturates, up
+        while none does and more than ``T/2`` is below the smallest normal.
+      saturation: ``T_sat``, fp8 formats only: the largest fraction of a layer's output
+        cotangent (modelled as normal) that its decision lets exceed the format's max, where
+        the cast saturates. The decision is the largest power of two allowed: under the
+        normal model a floating-point format's relative rounding error does not depend on
+        the scale in its normal range, so the predicted quantization error only falls as the
+        scale rises (fewer entries below the smallest normal) until entries saturate.
+      fp8_rule: fp8 formats only: ``"decision"`` (each layer sets its output's scale, above)
+        or ``"current"``: per-tensor current scaling, as Transformer Engine's
+        ``Float8CurrentScaling`` computes it: every cast takes the power of two that maps its
+        own tensor's ``max|g|`` to the format's max (a reduction over the tensor before it is
+        cast); the layers' statistical scales are 1 (their caps still hold).
     """
 
     threshold: float = 1e-3
@@ -130,6 +156,8 @@ class AdaLossConfig:
     layer_rule: bool = True
     backoff_interval: int = 2000
     underflow_feedback: bool = True
+    saturation: float = 1e-4
+    fp8_rule: Fp8Rule = "decision"
 
     def __post_init__(self) -> None:
         _check(_is_real(self.threshold) and 0.0 < self.threshold < 0.5,
@@ -160,6 +188,9 @@ class AdaLossConfig:
                self.underflow_feedback)
         _check(_is_real(self.relu_fraction) and 0 < self.relu_fraction <= 1,
                "relu_fraction", "a float in (0, 1]", self.relu_fraction)
+        _check(_is_real(self.saturation) and 0.0 < self.saturation < 0.5,
+               "saturation", "a float in (0, 0.5)", self.saturation)
+        _check(self.fp8_rule in FP8_RULES, "fp8_rule", f"one of {FP8_RULES}", self.fp8_rule)
 
     @classmethod
     def authors_preset(cls, model: StatModel = "gradient", **overrides: object) -> AdaLossConfig:
@@ -176,6 +207,17 @@ class AdaLossConfig:
         return cls(**fields)  # type: ignore[arg-type]
 
     # Resolved numbers (what the solver uses).
+    @property
+    def fp8(self) -> bool:
+        """Whether ``grad_format`` is an 8-bit format (:data:`FP8_FORMATS`)."""
+        return self.grad_format in FP8_FORMATS
+
+    @property
+    def z_saturation(self) -> float:
+        """``sqrt(2)·erfinv(1 - T_sat)``: a N(0, σ) entry exceeds ``z·σ`` in magnitude with
+        probability ``saturation``."""
+        return NormalDist().inv_cdf(1.0 - self.saturation / 2.0)
+
     @property
     def underflow_limit(self) -> float:
         """``u_min``: the override, else the format's smallest normal number."""

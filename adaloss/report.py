@@ -33,6 +33,13 @@ class LayerReport(NamedTuple):
         layer decisions that scaled this cotangent, through merges) below its statistical
         scale: then a larger scale was not available, whatever underflow remains (bool;
         ``False`` for a cast, whose incoming cotangent is wide).
+      flushed: fp8 formats only (else ``None``): the fraction of the incoming cotangent's
+        non-zero entries its fp8 cast flushed to zero.
+      subnormal: fp8 only: the fraction held non-zero below the format's smallest normal.
+      saturated: fp8 only: the fraction beyond the format's max, clipped to it.
+      current: fp8 only: whether this cast's scale was read from the tensor it converts
+        (``max|g|``, per-tensor current scaling) because no decision set it: the first cast
+        after the loss, or a narrowing cast (bool).
     """
 
     scale: Array
@@ -45,6 +52,10 @@ class LayerReport(NamedTuple):
     fan_in: Array
     unrounded_scale: Array
     incoming_held: Array = False
+    flushed: Array | None = None
+    subnormal: Array | None = None
+    saturated: Array | None = None
+    current: Array | None = None
 
 
 def weight_of(decision: str) -> str:

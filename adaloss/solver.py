@@ -25,6 +25,23 @@ For a layer ``y = x·Wᵀ`` whose incoming cotangent ``g`` carries scale ``P``
 A narrowing cast uses a log-normal model of the non-zero ``|g|``:
 ``s = exp(ln u_min − μ_ln − σ_ln·√2·erfinv(2T − 1))``, then the same bounds
 with ``m = max|g|``. Fan-outs merge branches with :func:`merge_scale`.
+
+With an fp8 ``grad_format`` (:func:`fp8_layer_scale`) a layer's incoming cotangent is
+quantized to the format as carried, and the decision sets the scale of the layer's *output*
+(the dgrad result, quantized at the next layer) before the GEMM computes it:
+
+1'. ``σ_out² = n·E[g²]·E[W²]``, the spread of one entry of ``g·Wᵀ`` (a sum of ``n``
+    products), from the quantized ``g``;
+2'. the largest scale whose predicted saturated fraction is at most ``T_sat``:
+    ``s = u_max / (σ_out·√2·erfinv(1 − T_sat))``, times the lift ``2^k`` (``k`` may be
+    negative); no ``max(s, 1)``: the cotangent as carried may have to shrink;
+3'. caps against the dtype the backward runs in (``u_c``: fp16's 65504, or bf16's and fp32's
+    ~3.4e38): ``s ≤ u_c / max|g|`` and ``s ≤ u_c / (n·max|g|·max|W|)``: the saturating fp8 cast
+    may clip, the 16-bit arithmetic between two casts must not overflow; then the bounds
+    and the power-of-two floor of step 3.
+
+A narrowing cast in fp8 (the loss cotangent) reads its tensor anyway: its scale is
+``u_max / max|g|`` (no entry saturates), bounded and rounded the same way.
 """
 
 from __future__ import annotations
@@ -300,6 +317,90 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     return _decide(config, s_model, cap, incoming, sigma, xp, backoff)
 
 
+def output_sigma(g: TensorStats, w: TensorStats, fan_in: int, xp: Any) -> Array:
+    """σ of one entry of a layer's output cotangent ``g·Wᵀ``: ``sqrt(n·E[g²]·E[W²])``
+    (independent entries)."""
+    return xp.sqrt(g.sq_mean * w.sq_mean * float(fan_in))
+
+
+def fp8_model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None,
+                    lift: Array | None = None) -> Array:
+    """Step 2': ``b·l·u_max / (σ·√2·erfinv(1 − T_sat))``, the largest scale that lets at most
+    ``T_sat`` of a N(0, σ) quantity exceed the fp8 format's max (``b``: back-off, ``l``: lift
+    ``2^k``, ``k`` of either sign). 1 where σ = 0 or the estimate is NaN; saturates at
+    :data:`F32_MAX`, so that the caps decide."""
+    s = _backed_off(saturating_quotient(config.overflow_limit, sigma * config.z_saturation, xp), backoff)
+    s = xp.minimum(_lifted(s, lift, xp), xp.full_like(s, F32_MAX))
+    return xp.where((sigma > 0) & (s == s), s, xp.ones_like(s))
+
+
+def fp8_layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats, fan_in: int,
+                    incoming: Array, carrier_max: float, xp: Any,
+                    cached_model_scale: Array | None = None, cached_sigma: Array | None = None,
+                    backoff: Array | None = None, lift: Array | None = None) -> LayerScale:
+    """The scale a layer applies to its output cotangent with an fp8 ``grad_format`` (steps
+    1'-3'): ``g`` the statistics of its incoming cotangent as quantized, ``w`` its weight's;
+    ``carrier_max`` the largest finite value of the dtype the backward computes in. With
+    ``cached_model_scale`` and ``cached_sigma`` (``update_every``) σ is not recomputed."""
+    sigma = output_sigma(g, w, fan_in, xp) if cached_sigma is None else cached_sigma
+    s_model = (fp8_model_scale(config, sigma, xp, backoff, lift) if cached_model_scale is None
+               else cached_model_scale)
+    m = absmax(g, xp)
+    cap = xp.minimum(_cap(carrier_max, m, xp), _cap(carrier_max / fan_in, m * absmax(w, xp), xp))
+    return _decide(config, s_model, _backed_off(cap, backoff), incoming, sigma, xp, backoff)
+
+
+def fp8_fit_scale(config: AdaLossConfig, g_absmax: Array, incoming: Array, xp: Any,
+                  backoff: Array | None = None) -> LayerScale:
+    """Per-tensor current scaling of a cotangent about to be quantized to fp8 where no decision
+    set its scale (the loss cotangent of a narrowing cast, the first cast after the loss):
+    ``b·u_max / max|g|`` (no entry saturates; 1 when ``g = 0``), bounded and rounded as a
+    decision is. ``model_scale`` and ``sigma`` in the result are that quotient and
+    ``max|g|``."""
+    q = _backed_off(_cap(config.overflow_limit, g_absmax, xp), backoff)
+    q = xp.where(g_absmax > 0, q, xp.ones_like(q))
+    return _decide(config, q, q, incoming, g_absmax, xp, backoff)
+
+
+def quantized_fractions(g: Array, q: Array, config: AdaLossConfig, xp: Any) -> tuple[Array, Array, Array]:
+    """FP8 telemetry of one cast of ``g`` (as carried) to ``q`` (fp8): the fractions of ``g``'s
+    non-zero entries flushed to zero, held below the format's smallest normal (non-zero), and
+    saturated (``|g|`` beyond the format's max), in fp32 (0 when ``g`` is all zero)."""
+    g = _f32(g, xp)
+    a = xp.abs(_f32(q, xp))
+    live = g != 0
+    count = xp.sum(xp.astype(live, xp.float32))
+    denom = xp.maximum(count, xp.ones_like(count))
+
+    def frac(mask: Array) -> Array:
+        return xp.sum(xp.astype(mask & live, xp.float32)) / denom
+
+    return (frac(a == 0), frac((a > 0) & (a < config.underflow_limit)),
+            frac(xp.abs(g) > config.overflow_limit))
+
+
+def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturated: Array,
+               q_absmax: Array, xp: Any) -> Array:
+    """What one fp8 cast reports to the decisions that set its scale (:func:`lift_update`):
+    ``−(1 + saturated / T_sat)`` (negative: lower the lift) where more than ``T_sat`` of the
+    entries saturated; else the fraction below the smallest normal over ``T`` where the
+    quantized tensor has room to double below the max (``2·max|q| ≤ u_max``: no entry would
+    saturate), 0 where it has none."""
+    sat = saturated / config.saturation
+    room = q_absmax * 2.0 <= config.overflow_limit
+    under = xp.where(room, (flushed + subnormal) / config.threshold, xp.zeros_like(sat))
+    return xp.where(sat > 1.0, -(1.0 + sat), under)
+
+
+def combine_signals(config: AdaLossConfig, a: Array, b: Array, xp: Any) -> Array:
+    """Two underflow signals of one weight's decisions combined: the larger; with an fp8
+    ``grad_format`` a saturation (negative) wins over an underflow."""
+    if not config.fp8:
+        return xp.maximum(a, b)
+    low = xp.minimum(a, b)
+    return xp.where(low < 0, low, xp.maximum(a, b))
+
+
 def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any,
                      backoff: Array | None = None) -> Array:
     """Step 7's statistical scale: ``u_min / exp(μ_ln + z·σ_ln)``, at least 1 (1 if all zero).
@@ -371,7 +472,8 @@ LIFT_BAND = 16.0
 
 
 def lift_factor(k: Array, xp: Any) -> Array:
-    """``2^k`` in fp32, exactly, for the lift exponent ``k`` (int32, 0 ≤ k ≤ MAX_LIFT)."""
+    """``2^k`` in fp32, exactly, for the lift exponent ``k`` (int32, ``|k| ≤ MAX_LIFT``; ``k < 0``
+    with fp8 formats only)."""
     return _pow2(xp.astype(k, xp.int32), xp)
 
 
@@ -400,7 +502,12 @@ def underflow_ratio(fractions: Sequence[Array], limited: Array | None, config: A
     scale (``limited``), a larger lift cannot raise it: the ratio is held at most
     :data:`LIFT_AIM`, so that
     the lift does not climb for nothing (it may still fall)."""
-    ratio = xp.max(xp.stack(list(fractions))) / config.threshold
+    if config.fp8:  # the fractions are fp8_signal's already
+        ratio = fractions[0]
+        for f in fractions[1:]:
+            ratio = combine_signals(config, ratio, f, xp)
+    else:
+        ratio = xp.max(xp.stack(list(fractions))) / config.threshold
     if limited is None:
         return ratio
     return xp.where(limited, xp.minimum(ratio, xp.full_like(ratio, LIFT_AIM)), ratio)
@@ -412,10 +519,16 @@ def lift_update(config: AdaLossConfig, k: Array, ratio: Array, finite: Array, xp
     cotangents the decision scaled) exceeds :data:`LIFT_AIM` (``T/2``),
     ``-1`` (not below 0) when it is below ``LIFT_AIM / LIFT_BAND`` (``T/32``); unchanged on a step with a
     non-finite gradient (the back-off answers those) or without ``config.underflow_feedback``.
+    With an fp8 ``grad_format`` (``ratio`` from :func:`fp8_signal`): ``-1`` (not below
+    ``-MAX_LIFT``) after a saturation (``ratio < 0``), ``+1`` above ``LIFT_AIM``, else unchanged.
     On device: ``k`` is an int32 0-d array."""
     if not config.underflow_feedback:
         return k
     up = xp.minimum(k + 1, xp.full_like(k, MAX_LIFT))
+    if config.fp8:  # fp8_signal: negative after saturation
+        down = xp.maximum(k - 1, xp.full_like(k, -MAX_LIFT))
+        new = xp.where(ratio < 0, down, xp.where(ratio > LIFT_AIM, up, k))
+        return xp.where(finite, new, k)
     down = xp.maximum(k - 1, xp.zeros_like(k))
     new = xp.where(ratio > LIFT_AIM, up, xp.where(ratio < LIFT_AIM / LIFT_BAND, down, k))
     return xp.where(finite, new, k)

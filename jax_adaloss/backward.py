@@ -28,7 +28,14 @@ per equation, so the reverse sweep is ours and knows, for every
   q/k/v fan-out, tied weights) are merged by :func:`adaloss.solver.merge_scale`;
 - with ``config.underflow_feedback`` each layer counts the fraction of its incoming
   cotangent below u_min and reports it to the layer decisions that set the scale it
-  carries (through merges); the optax state's per-weight lift answers on the next step.
+  carries (through merges); the optax state's per-weight lift answers on the next step;
+- with an fp8 ``config.grad_format`` every layer (and every first layer, whose input needs
+  no gradient) quantizes its incoming cotangent to the format once, saturating, at the
+  scale it carries, and both backward GEMMs read that tensor (converted back, times the
+  layer's scale, then the dot: the pattern XLA's GPU rewriter makes FP8 GEMMs of); the
+  layer's decision sets its output's scale for the next layer's cast from statistics it
+  has before the dgrad GEMM runs. Only a cast no decision set (the first after the loss)
+  reads its tensor's ``max|g|`` first (per-tensor current scaling).
 """
 
 from __future__ import annotations
@@ -137,6 +144,7 @@ class _Tape:
         self._names: dict[str, int] = parent._names if parent is not None else defaultdict(int)
         self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
         self.grad_dtype = jnp.dtype(GRAD_FORMATS[config.grad_format])
+        self.fp8 = config.fp8  # layers quantize their incoming cotangent to grad_format
         self.weighted_ops = 0  # matmuls/convolutions on the differentiated path
         self.data_path_ops = 0  # of those, with a data operand that needs a gradient
         self.opaque: list[tuple[str, int]] = []  # (primitive, matmuls inside) of opaque regions
@@ -312,16 +320,18 @@ class _Tape:
             if len(weights) != 1:
                 return  # data·data (attention) or weight·weight (a factored weight)
             w, x = weights[0], 1 - weights[0]
-            if x not in node.diff:
-                return  # the first layer: its input needs no gradient
+            first = x not in node.diff  # the first layer: its input needs no gradient
+            if first and not (self.fp8 and w in node.diff):
+                return
             if prim == "conv_general_dilated" and w != 1:
                 self.missed.append("a convolution whose weight is its lhs operand")
                 return
             name = origins[w]
             if name == _CONST:
                 name = f"const:{self._count('<const>')}"
-            node.kind, node.name = "layer", self._unique(name)
-            node.act = node.diff.index(x)
+            # an fp8 first layer quantizes its cotangent for its weight gradient; no decision
+            node.kind, node.name = ("first" if first else "layer"), self._unique(name)
+            node.act = -1 if first else node.diff.index(x)
             node.wgt = node.diff.index(w) if w in node.diff else -1
             node.weight = vals[w]
             node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
@@ -338,6 +348,8 @@ class _Tape:
     def _check_format(self, dtype: Any, where: str) -> None:
         """A cotangent in a 16-bit (or narrower) float format must be ``config.grad_format``."""
         dtype = jnp.dtype(dtype)
+        if self.fp8:  # the layers quantize whatever dtype the model's backward runs in
+            return
         if dtype.itemsize <= 2 and dtype != self.grad_dtype:
             raise ValueError(
                 f"AdaLossConfig.grad_format={self.config.grad_format!r}, but the cotangent of {where} "
@@ -463,6 +475,9 @@ class _Sweep:
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
         self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
+        # fp8: id(scale) -> scale, for scales a decision fitted to the format's range (layers,
+        # casts, merges); a cotangent carrying another (the loss seed's) is fitted at its cast
+        self.fitted: dict[int, Any] = {}
         self.layers: dict[str, LayerReport] = {}
         self.model_scales: dict[str, Any] = {}
         self.spreads: dict[str, Any] = {}
@@ -474,6 +489,9 @@ class _Sweep:
     # -- merging ----------------------------------------------------------------
     def _u_max(self, dtype: Any) -> float:
         dtype = jnp.dtype(dtype)
+        if self.config.fp8:  # whatever the dtype: the next layer quantizes what it receives
+            limit = self.config.overflow_limit
+            return limit if self.backoff is None else limit * self.backoff
         if dtype.itemsize > 2:
             return float(jnp.finfo(dtype).max)
         limit = self.config.overflow_limit
@@ -490,6 +508,7 @@ class _Sweep:
         absmax = [jnp.max(jnp.abs(p[0])).astype(_F32) for p in parts]
         target = _settled(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
         self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
+        self._fit(target)
         return _stored(_sum([_rescale(ct, target / s) for ct, s in parts])), target
 
     def _lift_of(self, decision: str) -> Any:
@@ -509,15 +528,26 @@ class _Sweep:
         got = self.deciders.get(id(scale))
         return got[1] if got is not None and got[0] is scale else frozenset()
 
+    def _fit(self, scale: Any, fitted: bool = True) -> None:
+        """Mark ``scale`` fitted to the fp8 format's range (``fitted=False``: leave it)."""
+        if fitted:
+            self.fitted[id(scale)] = scale
+
+    def _is_fitted(self, scale: Any) -> bool:
+        got = self.fitted.get(id(scale))
+        return got is not None and got is scale
+
     def take(self, slot: int) -> tuple[Any, Any] | None:
         parts = self.cts.pop(slot, None)
         return self.merge(parts) if parts else None
 
     # -- the sweep --------------------------------------------------------------
-    def run(self, seeds: Sequence[tuple[int, Any, Any]]) -> None:
-        """Sweep back from ``(slot, cotangent, scale)`` seeds."""
-        for slot, seed, seed_scale in seeds:
+    def run(self, seeds: Sequence[tuple[int, Any, Any]], fitted: Sequence[bool] = ()) -> None:
+        """Sweep back from ``(slot, cotangent, scale)`` seeds; ``fitted[i]``: seed ``i``'s
+        scale was fitted to the fp8 range by a decision (a scan's carry: the outer one's)."""
+        for i, (slot, seed, seed_scale) in enumerate(seeds):
             self.cts[slot].append((seed, seed_scale))
+            self._fit(seed_scale, i < len(fitted) and fitted[i])
         self._sweep(self.tape.nodes)
 
     def _sweep(self, nodes: list[_Node]) -> None:
@@ -541,7 +571,9 @@ class _Sweep:
                 self.captured[node.name] = out_cts[0]
                 self.captured_scales[node.name] = scale
             if node.kind == "layer" and self.adaptive:
-                self._layer(node, out_cts[0], scale)
+                (self._layer_fp8 if self.config.fp8 else self._layer)(node, out_cts[0], scale)
+            elif node.kind == "first" and self.adaptive:
+                self._layer_fp8(node, out_cts[0], scale)
             elif node.kind == "cast" and self.adaptive:
                 self._cast(node, out_cts[0], scale)
             else:
@@ -557,6 +589,7 @@ class _Sweep:
         floats = [c for c in cts if _is_float(jnp.result_type(c))]
         cts, target = agree_across(cts, scale, axes, self._u_max(jnp.result_type(*floats)))
         self._decided(target, self._decided_by(scale))
+        self._fit(target, self._is_fitted(scale))
         return cts, target
 
     def _amplified(self, cts: list[Any], scale: Any, factor: Any) -> tuple[list[Any], Any]:
@@ -567,6 +600,7 @@ class _Sweep:
                                    self.backoff)
         target = _settled(scale * r)
         self._decided(target, self._decided_by(scale))
+        self._fit(target, self._is_fitted(scale))
         return [_rescale(g, r)], target
 
     def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
@@ -603,6 +637,7 @@ class _Sweep:
         out_vals = [self.tape.values[s] for s in node.outs]
         wanted = [j for j, s in enumerate(node.outs) if self.tape.needs[s]]
         seeds = {j: got[j] if got[j] is not None else (jnp.zeros_like(out_vals[j]), one) for j in wanted}
+        fitted = {j: got[j] is not None and self._is_fitted(got[j][1]) for j in wanted}
         carry_js = [j for j in wanted if j < nk]
         ys_js = [j for j in wanted if j >= nk]
         consts = [i for i in range(nc) if r.needs[i]]
@@ -618,7 +653,8 @@ class _Sweep:
             sweep = _Sweep(sub, self.config, None, adaptive=True, backoff=self.backoff, lift=self.lift,
                            reporting=self.reporting)
             sweep.run([(outs[j], ct, s) for j, ct, s in zip(carry_js, cts, scales)]
-                      + [(outs[j], ct, seeds[j][1]) for j, ct in zip(ys_js, y_cts)])
+                      + [(outs[j], ct, seeds[j][1]) for j, ct in zip(ys_js, y_cts)],
+                      [fitted[j] for j in carry_js + ys_js])
             new = [_or_zero(sweep.take(ins[nc + j]), c_i[j], jnp.result_type(c_i[j])) for j in carry_js]
             merged = []
             for i, a, a_s in zip(consts, acc, acc_scales):
@@ -645,8 +681,12 @@ class _Sweep:
         for name, rep in layers.items():  # a weight's name, a cast's or constant's within the scan
             key = f"{node.name}/{name}" if name.startswith(("cast:", "const:")) else name
             self.layers[key if key not in self.layers else f"{key}@{node.name}"] = rep
-        for w, ratio in signals.items():
-            self.region_signals.setdefault(w, []).append(jnp.max(ratio))
+        for w, ratio in signals.items():  # over the iterations
+            if self.config.fp8:
+                ratio = jnp.where(jnp.min(ratio) < 0, jnp.min(ratio), jnp.max(ratio))
+            else:
+                ratio = jnp.max(ratio)
+            self.region_signals.setdefault(w, []).append(ratio)
 
     def _remat(self, node: _Node, got: list[tuple[Any, Any] | None]) -> None:
         """The backward of a ``jax.checkpoint`` region: its forward re-run from the saved inputs
@@ -734,13 +774,75 @@ class _Sweep:
             held = _any([self.limited[n] for n in sorted(behind)])
             self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
 
+    def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
+        """A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying ``incoming``)
+        quantized once, saturating (:func:`to_fp8`); both GEMMs read it; the decision
+        (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
+        cfg = self.config
+        current = cfg.fp8_rule == "current" or not self._is_fitted(incoming)
+        if current:  # no decision fitted this scale to the format: per-tensor current scaling
+            fit = solver.fp8_fit_scale(cfg, jnp.max(jnp.abs(g)).astype(_F32), incoming, jnp, self.backoff)
+            r = _settled(fit.scale)
+            g, incoming = _rescale(g, r), _settled(incoming * r)
+            self._fit(incoming)
+        q = to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit)
+        gq = q.astype(jnp.result_type(g))  # exact: every fp8 value is a 16-bit one
+        behind = self._decided_by(incoming)
+        q_ext = solver.magnitude_stats(gq, jnp, moments=False)
+        fractions = None
+        if self.reporting or (cfg.underflow_feedback and behind):
+            fractions = solver.quantized_fractions(g, q, cfg, jnp)
+        if cfg.underflow_feedback and behind:
+            signal = solver.fp8_signal(cfg, *fractions, solver.absmax(q_ext, jnp), jnp)
+            for name in behind:
+                self.fractions[name].append(signal)
+        if node.wgt >= 0:
+            self.cts[node.ins[node.diff[node.wgt]]].append((self._weight_grad(node, gq), incoming))
+        if node.kind == "first":
+            if self.reporting:
+                one = jnp.ones((), _F32)
+                d = solver.LayerScale(one, one, jnp.zeros((), _F32), one)
+                self._report(node, d, incoming, incoming, jnp.zeros((), _F32), solver.absmax(q_ext, jnp),
+                             False, fractions, current)
+            return
+        weight = node.weight
+
+        def fresh() -> tuple[Any, Any]:
+            sigma = solver.output_sigma(solver.magnitude_stats(gq, jnp), solver.magnitude_stats(weight, jnp),
+                                        node.fan_in, jnp)
+            return solver.fp8_model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
+
+        # "current": the next cast fits its own tensor; no layer_rule: one global scale, the loss
+        # cotangent's (the cast-only ablation); the caps still hold
+        if cfg.fp8_rule == "current" or not cfg.layer_rule:
+            s_model, sigma = jnp.ones((), _F32), jnp.zeros((), _F32)
+        else:
+            s_model, sigma = self._statistical(node.name, fresh)
+        carrier_max = float(jnp.finfo(jnp.result_type(g)).max)
+        d = solver.fp8_layer_scale(cfg, q_ext, solver.magnitude_stats(weight, jnp, moments=False),
+                                   node.fan_in, incoming, carrier_max, jnp, cached_model_scale=s_model,
+                                   cached_sigma=sigma, backoff=self.backoff)
+        scale, outgoing = _settled((d.scale, incoming * d.scale))
+        d = d._replace(scale=scale)
+        self._decided(outgoing, frozenset({node.name}))
+        self._fit(outgoing)
+        self.limited[node.name] = d.unrounded < d.model_scale
+        act_ct = node.vjp([_rescale(gq, d.scale)])[node.act]
+        self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
+        if self.reporting:
+            pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
+            held = _any([self.limited[n] for n in sorted(behind)])
+            self._report(node, d, incoming, outgoing, pred, solver.absmax(q_ext, jnp), held, fractions,
+                         current)
+
     def _weight_grad(self, node: _Node, g: Any) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
         weight: a ``dot_general`` accumulates in fp32, a convolution runs widened."""
         if node.wgt not in node.wide:
             return node.vjp([g])[node.wgt]
         prim, params, vals = node.eqn
-        w, x = node.diff[node.wgt], node.diff[node.act]
+        w = node.diff[node.wgt]
+        x = 1 - w  # the other operand (the group sizes of a ragged dot come third)
         if prim.name == "dot_general":
             return dot_weight_grad(g, vals[x], vals[w], params["dimension_numbers"], w,
                                    params.get("precision"))
@@ -748,6 +850,17 @@ class _Sweep:
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
+        if cfg.fp8:  # it reads its tensor anyway: per-tensor current scaling, no entry saturates
+            m = jnp.max(jnp.abs(g)).astype(_F32)
+            d = solver.fp8_fit_scale(cfg, m, incoming, jnp, self.backoff)
+            scale, outgoing = _settled((d.scale, incoming * d.scale))
+            d = d._replace(scale=scale)
+            (ct,) = node.vjp([_rescale(g, d.scale)])
+            self.cts[node.ins[0]].append((ct, outgoing))
+            self._fit(outgoing)
+            if self.reporting:
+                self._report(node, d, incoming, outgoing, jnp.zeros((), _F32), m)
+            return
 
         def fresh() -> tuple[Any, Any]:
             ls = solver.log_stats(g, jnp)
@@ -765,12 +878,16 @@ class _Sweep:
             self._report(node, d, incoming, outgoing, pred, ls.absmax)
 
     def _report(self, node: _Node, d: solver.LayerScale, incoming: Any, outgoing: Any,
-                pred: Any, absmax: Any, held: Any = False) -> None:
+                pred: Any, absmax: Any, held: Any = False, fractions: Any = None,
+                current: Any = None) -> None:
+        flushed, subnormal, saturated = fractions if fractions is not None else (None,) * 3
         self.layers[node.name] = LayerReport(
             scale=d.scale, model_scale=d.model_scale, sigma=d.sigma,
             incoming_scale=incoming, outgoing_scale=outgoing, predicted_underflow=pred,
             grad_absmax=absmax, fan_in=jnp.asarray(node.fan_in, jnp.int32),
-            unrounded_scale=d.unrounded, incoming_held=jnp.asarray(held))
+            unrounded_scale=d.unrounded, incoming_held=jnp.asarray(held), flushed=flushed,
+            subnormal=subnormal, saturated=saturated,
+            current=None if current is None else jnp.asarray(current))
 
     def underflow_signals(self) -> dict[str, Any]:
         """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
@@ -780,7 +897,7 @@ class _Sweep:
                   for name, fracs in self.fractions.items()]
         ratios += [(w, r) for w, rs in self.region_signals.items() for r in rs]
         for w, r in ratios:
-            out[w] = r if w not in out else jnp.maximum(out[w], r)
+            out[w] = r if w not in out else solver.combine_signals(self.config, out[w], r, jnp)
         return out
 
     def report(self) -> BackwardReport:
@@ -855,6 +972,14 @@ def _stored(x: Any) -> Any:
         return x
     split = (0.75, 0.25) if dtype == jnp.float16 else (1.0, 0.0)
     return jnp.sum(x.astype(_F32)[..., None] * jnp.array(split, _F32), axis=-1).astype(dtype)
+
+
+def to_fp8(g: Any, dtype: Any, limit: float) -> Any:
+    """``g`` quantized to the fp8 ``dtype``, finite entries clipped to ``±limit`` (its max)
+    first: a cast never makes inf or NaN (JAX's e4m3fn cast gives NaN beyond ~464, e5m2's inf
+    beyond ~61440); an inf or NaN entry stays non-finite, so that the step is skipped."""
+    clipped = jnp.clip(g, -limit, limit)
+    return jnp.where(jnp.isinf(g), g, clipped).astype(dtype)
 
 
 def _any(flags: list[Any]) -> Any:

@@ -74,9 +74,19 @@ def dot_weight_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: in
         operands, dims, unsorted = (act, g), ((a_kept, g_act), batch[::-1]), [*wb, *from_act, *w_kept]
     else:
         operands, dims, unsorted = (g, act), ((g_act, a_kept), batch), [*wb, *w_kept, *from_act]
+    if _cpu_lacks_bf16_dot(operands):
+        operands = tuple(widen(o) for o in operands)
     out = lax.dot_general(*operands, dims, precision=precision, preferred_element_type=_F32,
                           out_sharding=_permuted_sharding(weight, unsorted))
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
+
+
+def _cpu_lacks_bf16_dot(operands: Sequence[Any]) -> bool:
+    """XLA:CPU has no bf16 × bf16 → fp32 dot outside its plain matmuls ("Unsupported element
+    type for DotThunk"): there the operands are widened first, which is exact (a product of two
+    bf16 values is exact in fp32; the fp32 accumulation is the same)."""
+    return jax.default_backend() == "cpu" and any(
+        jnp.dtype(dtype_of(o)) == jnp.bfloat16 for o in operands)
 
 
 def widenable(params: dict[str, Any]) -> bool:

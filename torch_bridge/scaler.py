@@ -88,6 +88,10 @@ class AdaLossScaler:
         config = AdaLossConfig() if config is None else config
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+        if config.fp8:
+            raise NotImplementedError(
+                f"AdaLossConfig(grad_format={config.grad_format!r}): fp8 cotangents are implemented in "
+                "jax_adaloss only so far; the PyTorch bridge supports 'float16' and 'bfloat16'")
         self._model = model
         self._config = config
         self._enabled = bool(enabled)

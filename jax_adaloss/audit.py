@@ -1,0 +1,121 @@
+"""Where an fp8 cast's scale comes from, read off a jaxpr.
+
+Per-tensor *current* scaling must finish a reduction over a tensor (its ``max|g|``) before
+it can cast it, so the cast cannot fuse with the op that produces the tensor; a scale decided
+before the GEMM that produces the tensor can. :func:`fp8_casts` finds every conversion to an
+fp8 dtype in a traced function and says which kind each is, from the data flow alone: a cast
+*reads its own max* when a full reduction (one number out) of data that reached it from the
+GEMMs producing it lies on its input's path. Per-row reductions (a LayerNorm's or softmax's
+backward) are the ops' own arithmetic and do not count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+_GEMMS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+_SUB = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+        "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+        "custom_vjp_call": "call_jaxpr"}
+
+
+class Fp8Cast(NamedTuple):
+    """One conversion to an fp8 dtype: the converted tensor's ``shape`` and fp8 ``dtype``
+    name, and ``reads_own_max``: its scale depends on a full reduction of data it converts."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    reads_own_max: bool
+
+
+class _Eqn(NamedTuple):
+    prim: str
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    params: dict[str, Any]
+    in_dtypes: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+
+
+def _flatten(jaxpr: jcore.Jaxpr, env: dict[Any, int], counter: list[int], out: list[_Eqn]) -> list[int]:
+    """Append ``jaxpr``'s equations to ``out`` with global value ids, inlining calls; returns the
+    ids of its outputs. Loops and conditionals stay one equation (inputs to outputs)."""
+    def read(atom: Any) -> int:
+        if isinstance(atom, jcore.Literal):
+            counter[0] += 1
+            return counter[0]
+        if atom not in env:
+            counter[0] += 1
+            env[atom] = counter[0]
+        return env[atom]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        key = _SUB.get(eqn.primitive.name)
+        sub = eqn.params.get(key) if key else None
+        if sub is not None:
+            closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
+            inner: dict[Any, int] = dict(zip(closed.jaxpr.invars, ins))
+            results = _flatten(closed.jaxpr, inner, counter, out)
+            for var, r in zip(eqn.outvars, results):
+                env[var] = r
+            continue
+        outs = []
+        for var in eqn.outvars:
+            counter[0] += 1
+            env[var] = counter[0]
+            outs.append(counter[0])
+        out.append(_Eqn(eqn.primitive.name, tuple(ins), tuple(outs), eqn.params,
+                        tuple(getattr(a.aval, "dtype", None) for a in eqn.invars),
+                        tuple(v.aval for v in eqn.outvars)))
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _is_fp8(dtype: Any) -> bool:
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
+def _full_reduction(e: _Eqn) -> bool:
+    is_reduce = e.prim.startswith("reduce_") or e.prim in ("argmax", "argmin")
+    return is_reduce and all(math.prod(a.shape) <= 1 for a in e.out_avals)
+
+
+def fp8_casts(fun: Callable[..., Any] | jcore.ClosedJaxpr, *args: Any, **kwargs: Any) -> list[Fp8Cast]:
+    """Every conversion to an fp8 dtype in ``fun(*args, **kwargs)`` (traced with
+    ``jax.make_jaxpr``; or a ``ClosedJaxpr``), in program order, each with whether its scale
+    reads a full reduction of the data it converts (see the module docstring)."""
+    closed = fun if isinstance(fun, jcore.ClosedJaxpr) else jax.make_jaxpr(fun)(*args, **kwargs)
+    eqns: list[_Eqn] = []
+    _flatten(closed.jaxpr, {}, [0], eqns)
+    producer = {o: k for k, e in enumerate(eqns) for o in e.outs}
+    found = []
+    for e in eqns:
+        if e.prim != "convert_element_type" or not _is_fp8(e.params.get("new_dtype")) \
+                or _is_fp8(e.in_dtypes[0]):
+            continue
+        # the ops between the GEMMs that produced this tensor's data and the cast
+        region, sources, stack = set(), set(), [e.ins[0]]
+        while stack:
+            v = stack.pop()
+            p = producer.get(v)
+            if p is None or p in region:
+                continue
+            if eqns[p].prim in _GEMMS:
+                sources.update(eqns[p].outs)
+                continue
+            region.add(p)
+            stack.extend(eqns[p].ins)
+        tainted, own = set(sources), False
+        for p in sorted(region):
+            if any(i in tainted for i in eqns[p].ins):
+                tainted.update(eqns[p].outs)
+                own = own or _full_reduction(eqns[p])
+        aval = e.out_avals[0]
+        found.append(Fp8Cast(tuple(aval.shape), jnp.dtype(aval.dtype).name, own))
+    return found

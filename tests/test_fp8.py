@@ -1,0 +1,159 @@
+"""FP8 cotangents (``grad_format="float8_e5m2"`` / ``"float8_e4m3fn"``), JAX.
+
+Every layer quantizes its incoming cotangent to the format once, saturating, at the scale it
+carries; both backward GEMMs read that tensor. The layer decisions set the scale of the next
+cast before the GEMM produces its tensor, so only the first cast after the loss reads its
+tensor's max (per-tensor current scaling reads it at every cast). The models compute in bf16
+(FP8 training's dtype on Hopper) or fp16; the gradients are compared with the fp32 model's.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from models import make_case, xent
+
+import jax_adaloss
+from adaloss import AdaLossConfig, format_limits, solver
+from jax_adaloss.audit import fp8_casts
+from jax_adaloss.backward import to_fp8
+
+FORMATS = ("float8_e5m2", "float8_e4m3fn")
+
+
+def _loss(cls, dtype, factor=1.0):
+    def loss(p, x, y):
+        return xent(cls(dtype=dtype).apply(p, x), y) * factor
+    return loss
+
+
+def _median_error(got, ref):
+    return float(np.median([np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r, np.float64))
+                            / np.linalg.norm(np.asarray(r, np.float64))
+                            for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]))
+
+
+@functools.cache
+def _case(name):
+    return make_case(name, jax.random.PRNGKey(0))
+
+
+def _fp8_grads(name, config, factor, dtype=jnp.bfloat16):
+    cls, params, x, y = _case(name)
+    vg = jax_adaloss.value_and_grad(_loss(cls, dtype, factor), config=config, return_report=True)
+    (_, g), rep = jax.jit(lambda p: vg(p, x, y, adaloss_state=None))(params)
+    return jax.tree.map(lambda a: a / factor, jax_adaloss.unscale_tree(g)), rep
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_limits_come_from_the_fp8_format(fmt):
+    info = ml_dtypes.finfo(getattr(ml_dtypes, fmt))
+    cfg = AdaLossConfig(grad_format=fmt)
+    assert cfg.fp8 and not AdaLossConfig().fp8
+    assert (cfg.underflow_limit, cfg.overflow_limit) == (float(info.smallest_normal), float(info.max))
+    assert format_limits(fmt).subnormal == float(info.smallest_subnormal)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_cast_never_makes_inf_or_nan_and_keeps_them(fmt):
+    dtype = jnp.dtype(getattr(ml_dtypes, fmt))
+    limit = format_limits(fmt).u_max
+    g = jnp.array([1e6, -1e6, 500.0, -70000.0, 1.0, 0.0, jnp.inf, jnp.nan], jnp.float32)
+    q = np.asarray(to_fp8(g, dtype, limit).astype(jnp.float32))
+    assert q[0] == limit and q[1] == -limit and np.all(np.abs(q[2:4]) <= limit) and q[4] == 1.0
+    assert np.isfinite(q[:6]).all() and not np.isfinite(q[6:]).any()
+
+
+def test_the_decision_is_the_largest_power_of_two_within_the_saturation_budget():
+    cfg = AdaLossConfig(grad_format="float8_e4m3fn", saturation=1e-3)
+    g = solver.TensorStats(None, np.float32(4e-6), None, None, np.float32(9e-3))
+    w = solver.TensorStats(None, np.float32(1 / 64), None, None, np.float32(0.5))
+    d = solver.fp8_layer_scale(cfg, g, w, 64, np.float32(1.0), 3.0e38, np)
+    sigma = np.sqrt(4e-6 * 64 / 64)
+    want = 2.0 ** np.floor(np.log2(448.0 / (sigma * cfg.z_saturation)))
+    assert float(d.scale) == want
+    # fp16 arithmetic between two casts must not overflow: the cap on 64 terms of 9e-3·0.5
+    d16 = solver.fp8_layer_scale(cfg, g, w, 64, np.float32(1.0), 65504.0, np)
+    assert float(d16.scale) * 64 * 9e-3 * 0.5 <= 65504.0 and float(d16.scale) == want
+    tight = solver.fp8_layer_scale(cfg, g, w, 64, np.float32(1.0), 1000.0, np)
+    assert float(tight.scale) * 64 * 9e-3 * 0.5 <= 1000.0 < float(tight.scale) * 2 * 64 * 9e-3 * 0.5
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_one_fp8_cast_per_layer_and_only_the_first_reads_its_own_max(name):
+    cls, params, x, y = _case(name)
+    cfg = AdaLossConfig(grad_format="float8_e5m2")
+    _, rep = _fp8_grads(name, cfg, 1.0)
+    layers = [n for n in rep.layers if not n.startswith("cast:")]
+    vg = jax_adaloss.value_and_grad(_loss(cls, jnp.bfloat16), config=cfg)
+    casts = fp8_casts(lambda p: vg(p, x, y, adaloss_state=None), params)
+    assert len(casts) == len(layers) and all(c.dtype == "float8_e5m2" for c in casts)
+    own = [c for c in casts if c.reads_own_max]
+    if name == "mlp":  # the head's, whose scale the loss cotangent's cast read
+        assert len(own) == 1 and own[0].shape == (32, 10)
+    else:  # and those after a merge (q/k/v, the residual stream): a max over the branches
+        assert 1 <= len(own) < len(casts)
+    current = AdaLossConfig(grad_format="float8_e5m2", fp8_rule="current")
+    vg = jax_adaloss.value_and_grad(_loss(cls, jnp.bfloat16), config=current)
+    assert all(c.reads_own_max for c in fp8_casts(lambda p: vg(p, x, y, adaloss_state=None), params))
+
+
+@pytest.mark.parametrize("fmt, bound", [("float8_e5m2", 0.12), ("float8_e4m3fn", 0.06)])
+@pytest.mark.parametrize("name", ["residual", "gpt"])
+def test_fp8_gradients_track_fp32_as_current_scaling_does(name, fmt, bound):
+    cls, params, x, y = _case(name)
+    ref = jax.jit(jax.grad(_loss(cls, jnp.float32)))(params, x, y)
+    for factor in (1.0, 1e-6):
+        g, rep = _fp8_grads(name, AdaLossConfig(grad_format=fmt), factor)
+        cur, _ = _fp8_grads(name, AdaLossConfig(grad_format=fmt, fp8_rule="current"), factor)
+        err, err_cur = _median_error(g, ref), _median_error(cur, ref)
+        assert np.isfinite(err) and err < bound, (factor, err)
+        assert err <= err_cur * 1.05 + 1e-3, (factor, err, err_cur)
+        sat = [float(r.saturated) for r in rep.layers.values() if r.saturated is not None]
+        assert len(sat) > 2 and max(sat) < 0.01
+
+
+def test_an_fp16_model_with_fp8_gradients_stays_finite_at_extreme_factors():
+    for factor in (1e3, 1e-8):
+        g, rep = _fp8_grads("mlp", AdaLossConfig(grad_format="float8_e5m2"), factor, dtype=jnp.float16)
+        assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
+        flushed = [float(r.flushed) for r in rep.layers.values() if r.flushed is not None]
+        assert len(flushed) == 3 and max(flushed) < 0.01
+
+
+def test_saturation_lowers_the_lift_and_training_skips_nothing():
+    """In the residual MLP one decision's cotangent passes a LayerNorm's backward, which the
+    normal model does not see: at step 0 it saturates ~30x the budget (T_sat = 1e-4). The
+    signed lift lowers that decision step by step; nothing is skipped."""
+    cls, params, x, y = _case("residual")
+    cfg = AdaLossConfig(grad_format="float8_e4m3fn")
+    tx = jax_adaloss.adaloss(cfg, inner=optax.adam(1e-3))
+    vg = jax_adaloss.value_and_grad(_loss(cls, jnp.bfloat16), config=cfg, return_report=True)
+
+    @jax.jit
+    def step(p, s):
+        (loss, g), rep = vg(p, x, y, adaloss_state=s)
+        u, s = tx.update(g, s, p)
+        sat = jnp.max(jnp.stack([r.saturated for r in rep.layers.values() if r.saturated is not None]))
+        return optax.apply_updates(p, u), s, loss, sat
+
+    s = tx.init(params)
+    sats, losses = [], []
+    for _ in range(6):
+        params, s, loss, sat = step(params, s)
+        sats.append(float(sat))
+        losses.append(float(loss))
+    lifts = [int(k) for k in jax.tree.leaves(optax.tree.get(s, "lift"))]
+    assert sats[0] > 10 * cfg.saturation and sats[-1] < sats[0] / 3 and min(lifts) <= -3
+    assert int(optax.tree.get(s, "skipped")) == 0 and losses[-1] < losses[0]
+
+
+def test_torch_bridge_refuses_fp8_with_the_remedy():
+    torch = pytest.importorskip("torch")
+    import torch_bridge
+    with pytest.raises(NotImplementedError, match="jax_adaloss only"):
+        torch_bridge.AdaLossScaler(torch.nn.Linear(2, 2), AdaLossConfig(grad_format="float8_e5m2"))
