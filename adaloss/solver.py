@@ -255,7 +255,7 @@ def at_most(cap: Array, xp: Any) -> Array:
 
 
 def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array, rows: int,
-                    xp: Any, backoff: Array | None = None) -> Array:
+                    xp: Any, backoff: Array | None = None, limit: float | None = None) -> Array:
     """Largest scale that keeps a weight gradient computed in the gradient format finite.
 
     For ``dW = xᵀ·(s·g)`` summed over ``rows`` rows, Cauchy-Schwarz bounds every entry by
@@ -264,10 +264,12 @@ def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array,
     convolution's is the same with channels for columns and batch × positions for rows (each
     ``dW`` entry pairs distinct entries of one input channel with one output channel). Only
     where a framework computes the weight gradient in 16 bits (a PyTorch layer node under
-    autocast); JAX computes it in fp32 and needs no such cap.
+    autocast); JAX computes it in fp32 and needs no such cap. ``limit``: the largest finite value
+    of the dtype it is computed in (default ``u_max``; with an fp8 ``grad_format``, the 16-bit
+    dtype's).
     """
     m = g_col_norm * xp.maximum(x_col_norm, xp.full_like(x_col_norm, float(rows) ** 0.5))
-    return _backed_off(_cap(config.overflow_limit, m, xp), backoff)
+    return _backed_off(_cap(config.overflow_limit if limit is None else limit, m, xp), backoff)
 
 
 def bounded_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
@@ -337,17 +339,22 @@ def fp8_model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array
 def fp8_layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats, fan_in: int,
                     incoming: Array, carrier_max: float, xp: Any,
                     cached_model_scale: Array | None = None, cached_sigma: Array | None = None,
-                    backoff: Array | None = None, lift: Array | None = None) -> LayerScale:
+                    backoff: Array | None = None, lift: Array | None = None,
+                    extra_cap: Array | None = None) -> LayerScale:
     """The scale a layer applies to its output cotangent with an fp8 ``grad_format`` (steps
     1'-3'): ``g`` the statistics of its incoming cotangent as quantized, ``w`` its weight's;
     ``carrier_max`` the largest finite value of the dtype the backward computes in. With
-    ``cached_model_scale`` and ``cached_sigma`` (``update_every``) σ is not recomputed."""
+    ``cached_model_scale`` and ``cached_sigma`` (``update_every``) σ is not recomputed;
+    ``extra_cap`` is a further cap the caller knows (:func:`weight_grad_cap`)."""
     sigma = output_sigma(g, w, fan_in, xp) if cached_sigma is None else cached_sigma
     s_model = (fp8_model_scale(config, sigma, xp, backoff, lift) if cached_model_scale is None
                else cached_model_scale)
     m = absmax(g, xp)
-    cap = xp.minimum(_cap(carrier_max, m, xp), _cap(carrier_max / fan_in, m * absmax(w, xp), xp))
-    return _decide(config, s_model, _backed_off(cap, backoff), incoming, sigma, xp, backoff)
+    cap = _backed_off(xp.minimum(_cap(carrier_max, m, xp), _cap(carrier_max / fan_in, m * absmax(w, xp), xp)),
+                      backoff)
+    if extra_cap is not None:
+        cap = xp.minimum(cap, extra_cap)
+    return _decide(config, s_model, cap, incoming, sigma, xp, backoff)
 
 
 def fp8_fit_scale(config: AdaLossConfig, g_absmax: Array, incoming: Array, xp: Any,

@@ -185,6 +185,11 @@ class JaxCase:
         ``backoff``: adaloss's back-off exponent)."""
         raise NotImplementedError
 
+    def objective(self) -> tuple[Callable[[Any], tuple[jax.Array, Any]], Any]:
+        """``(loss, x)``: the training step's ``loss(x) -> (scalar, aux)`` on the case's batch
+        and what it differentiates (a parameter tree, or the nnx Module)."""
+        raise NotImplementedError
+
     def adaloss(self, factor: float, config: AdaLossConfig | None = None, max_tries: int = 32
                 ) -> tuple[Grads, int]:
         """adaloss repeated on the same batch until a backward is finite, its back-off exponent
@@ -316,6 +321,9 @@ class LinenCase(JaxCase):
             return _xent(logits, batch["y"]), updates
         return loss_fn
 
+    def objective(self) -> tuple[Callable[[Any], tuple[jax.Array, Any]], Any]:
+        return self._loss(self.batch_stats, self.batch, self.dropout_key), self.params
+
     def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
               scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:
         vg = _method_value_and_grad(method, factor, config, jax.value_and_grad, scale, backoff)
@@ -360,16 +368,16 @@ class LinenCase(JaxCase):
                 "state_changed": _changed(self.batch_stats, state.batch_stats), "step": int(state.step)}
 
 
-def linen_cnn(seed: int = 0) -> LinenCase:
+def linen_cnn(seed: int = 0, dtype: Any = F16) -> LinenCase:
     key = jax.random.key(100 + seed)
     batch = {"x": jax.random.normal(key, (8, 12, 12, 1)), "y": jnp.arange(8) % 10}
     # the first conv sees the images alone: its input needs no gradient
     expected = Counter({"Conv_1/kernel": 1, "Dense_0/kernel": 1, "Dense_1/kernel": 1})
     # the first conv's bias feeds BatchNorm, which subtracts the batch mean: zero gradient
-    return LinenCase("linen-cnn", LinenCNN(), batch, expected, seed, exclude=("Conv_0/bias",))
+    return LinenCase("linen-cnn", LinenCNN(dtype=dtype), batch, expected, seed, exclude=("Conv_0/bias",))
 
 
-def linen_transformer(seed: int = 0) -> LinenCase:
+def linen_transformer(seed: int = 0, dtype: Any = F16) -> LinenCase:
     key = jax.random.key(200 + seed)
     tokens = jax.random.randint(key, (4, 16), 0, 64)
     batch = {"x": tokens, "y": jnp.roll(tokens, -1, axis=1)}
@@ -377,18 +385,19 @@ def linen_transformer(seed: int = 0) -> LinenCase:
     expected = Counter({f"{mha}/{k}/kernel": 1 for k in ("query", "key", "value", "out")}
                        | {f"Dense_{i}/kernel": 1 for i in range(3)})
     # the key bias shifts every attention logit of a query equally: softmax ignores it
-    return LinenCase("linen-transformer", LinenLM(), batch, expected, seed, exclude=(f"{mha}/key/bias",))
+    return LinenCase("linen-transformer", LinenLM(dtype=dtype), batch, expected, seed,
+                     exclude=(f"{mha}/key/bias",))
 
 
 # -- Flax nnx -------------------------------------------------------------------------------
 class NnxCNN(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), dtype=F16, rngs=rngs)
-        self.bn = nnx.BatchNorm(8, dtype=F16, rngs=rngs)
-        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), dtype=F16, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, dtype: Any = F16) -> None:
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, dtype=dtype, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(0.1, rngs=rngs)
-        self.linear1 = nnx.Linear(16 * 3 * 3, 32, dtype=F16, rngs=rngs)
-        self.linear2 = nnx.Linear(32, 10, dtype=F16, rngs=rngs)
+        self.linear1 = nnx.Linear(16 * 3 * 3, 32, dtype=dtype, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 10, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nnx.avg_pool(nnx.relu(self.bn(self.conv1(x))), window_shape=(2, 2), strides=(2, 2))
@@ -398,16 +407,21 @@ class NnxCNN(nnx.Module):
 
 
 class NnxCase(JaxCase):
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, dtype: Any = F16) -> None:
         self.name = "nnx-bn-dropout"
-        self.seed = seed
+        self.seed, self.dtype = seed, dtype
         key = jax.random.key(300 + seed)
         self.batch = {"x": jax.random.normal(key, (8, 12, 12, 1)), "y": jnp.arange(8) % 10}
         self.expected = Counter({"conv2/kernel": 1, "linear1/kernel": 1, "linear2/kernel": 1})
         self.exclude = ("conv1/bias",)  # feeds BatchNorm: zero gradient
 
     def model(self) -> NnxCNN:
-        return NnxCNN(nnx.Rngs(self.seed))
+        return NnxCNN(nnx.Rngs(self.seed), self.dtype)
+
+    def objective(self) -> tuple[Callable[[Any], tuple[jax.Array, Any]], Any]:
+        def loss_fn(model: NnxCNN) -> tuple[jax.Array, None]:
+            return _xent(model(self.batch["x"]), self.batch["y"]), None
+        return loss_fn, self.model()
 
     def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
               scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:
@@ -469,13 +483,15 @@ def _snapshot(state: Any) -> Any:
 
 
 # -- Equinox --------------------------------------------------------------------------------
-def _cast_to_compute(tree: Any) -> Any:
-    return jmp.get_policy("params=float32,compute=float16,output=float32").cast_to_compute(tree)
+def _cast_to_compute(tree: Any, dtype: Any = F16) -> Any:
+    name = jnp.dtype(dtype).name
+    return jmp.get_policy(f"params=float32,compute={name},output=float32").cast_to_compute(tree)
 
 
 class EquinoxCase(JaxCase):
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, dtype: Any = F16) -> None:
         self.name = "equinox-mlp"
+        self.dtype = dtype
         key, kx = jax.random.split(jax.random.key(400 + seed))
         self.model = eqx.nn.MLP(in_size=16, out_size=10, width_size=32, depth=2, key=key)
         self.batch = {"x": jax.random.normal(kx, (8, 16)), "y": jnp.arange(8) % 10}
@@ -483,10 +499,14 @@ class EquinoxCase(JaxCase):
 
     def _loss(self, static: Any, batch: dict[str, jax.Array]) -> Callable[..., Any]:
         def loss_fn(params: Any) -> tuple[jax.Array, None]:
-            model = eqx.combine(_cast_to_compute(params), static)
-            logits = jax.vmap(model)(batch["x"].astype(F16))
+            model = eqx.combine(_cast_to_compute(params, self.dtype), static)
+            logits = jax.vmap(model)(batch["x"].astype(self.dtype))
             return _xent(logits, batch["y"]), None
         return loss_fn
+
+    def objective(self) -> tuple[Callable[[Any], tuple[jax.Array, Any]], Any]:
+        params, static = eqx.partition(self.model, eqx.is_inexact_array)
+        return self._loss(static, self.batch), params
 
     def grads(self, method: str, factor: float, config: AdaLossConfig | None = None,
               scale: float = STATIC_SCALE, backoff: int = 0) -> Grads:

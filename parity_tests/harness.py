@@ -47,6 +47,13 @@ class StepRecord:
     grads: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # unscaled, torch layout
     # per weight: the underflow ratio its layer decisions reported (underflow_feedback)
     signal: dict[str, float] = dataclasses.field(default_factory=dict)
+    # fp8 formats: per layer, the (flushed, subnormal, saturated) fractions of its cast
+    fractions: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+
+
+def _fractions(reports: dict[str, Any], name: Any = lambda k: k) -> dict[str, tuple[float, float, float]]:
+    return {name(k): (float(r.flushed), float(r.subnormal), float(r.saturated))
+            for k, r in reports.items() if r.flushed is not None}
 
 
 def _data(name: str, step: int, seed: int) -> tuple[Any, Any, np.ndarray]:
@@ -64,15 +71,16 @@ def _torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, factor
 
 
 def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_factor: float,
-             seed: int = 0) -> tuple[list[StepRecord], list[StepRecord]]:
-    """``steps`` steps of both frameworks at the same weights: (JAX records, torch records)."""
+             seed: int = 0, dtype: str = "float16") -> tuple[list[StepRecord], list[StepRecord]]:
+    """``steps`` steps of both frameworks at the same weights, computing in ``dtype`` (Flax's
+    ``dtype``, torch's autocast dtype): (JAX records, torch records)."""
     cls = PAIRS[name][0]
     params = init_params(name, seed)
 
     def loss(p: Any, x: Any, y: Any, dt: Any) -> jax.Array:
         return loss_factor * flax_xent(cls(dtype=dt).apply(p, x), y)
 
-    vg16 = jax.jit(jax_adaloss.value_and_grad(functools.partial(loss, dt=jnp.float16), config=config,
+    vg16 = jax.jit(jax_adaloss.value_and_grad(functools.partial(loss, dt=getattr(jnp, dtype)), config=config,
                                               return_report=True, capture_cotangents=True))
     loss32 = functools.partial(loss, dt=jnp.float32)
     # the optax state carries the back-off and the lifts (underflow_feedback). The lifts come
@@ -105,14 +113,14 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
             unrounded={torch_name(k): float(r.unrounded_scale) for k, r in rep.layers.items()},
             incoming={torch_name(k): float(r.incoming_scale) for k, r in rep.layers.items()},
             underflow=under, skipped=not finite, loss=float(value), grads=to_torch_layout(plain),
-            signal=signal))
+            signal=signal, fractions=_fractions(rep.layers, torch_name)))
         # torch, at the same weights
         load_flax(model, params)
         yt = torch.from_numpy(y.astype(np.int64))
         tloss = functools.partial(_torch_loss, model, xt, yt, loss_factor)
         tref = torch_bridge.layer_cotangents(model, tloss, loss_scale=1.0, config=config)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=getattr(torch, dtype)):
             tvalue = loss_factor * torch_xent(model(xt), yt)
         skipped_before = scaler.skipped_steps
         scaler._lift = {k: torch.tensor(v, dtype=torch.int32) for k, v in lifts.items()}
@@ -131,7 +139,7 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
             incoming={k: float(r.incoming_scale) for k, r in reps.items()},
             underflow={k: u.measured for k, u in compare_torch(tlow, tref, config).items()},
             skipped=scaler.skipped_steps > skipped_before, loss=float(tvalue.detach()), grads=tgrads,
-            signal=tsignal))
+            signal=tsignal, fractions=_fractions(reps)))
         if finite:
             params = jax.tree_util.tree_map(lambda p, g: p - lr * g.astype(p.dtype), params, plain)
     return jax_records, torch_records

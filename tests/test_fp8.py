@@ -152,8 +152,43 @@ def test_saturation_lowers_the_lift_and_training_skips_nothing():
     assert int(optax.tree.get(s, "skipped")) == 0 and losses[-1] < losses[0]
 
 
-def test_torch_bridge_refuses_fp8_with_the_remedy():
+def test_torch_nodes_receive_fp8_values_at_the_decided_scale():
+    """The bridge's pre-hook hands each Linear node its fp8-quantized cotangent times the
+    decision's scale (a later pre-hook on the node sees it): every entry has at most the format's
+    mantissa bits (bf16's 8 would fail); the gradients are finite at extreme loss factors."""
     torch = pytest.importorskip("torch")
     import torch_bridge
-    with pytest.raises(NotImplementedError, match="jax_adaloss only"):
-        torch_bridge.AdaLossScaler(torch.nn.Linear(2, 2), AdaLossConfig(grad_format="float8_e5m2"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                torch.nn.GELU(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    for fmt in FORMATS:
+        for factor in (1.0, 1e-8):
+            scaler = torch_bridge.AdaLossScaler(model, AdaLossConfig(grad_format=fmt))
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y) * factor
+            scaled = scaler.scale(loss)
+            seen = []
+            node = scaled.grad_fn
+            todo, nodes = [node], []
+            while todo:  # the Linear nodes of the graph
+                n = todo.pop()
+                if n is None or n in nodes:
+                    continue
+                nodes.append(n)
+                todo += [f for f, _ in n.next_functions]
+            for n in nodes:
+                if type(n).__name__ == "AddmmBackward0":
+                    n.register_prehook(lambda go, n=n, seen=seen: seen.append((n, go[0].detach().clone())))
+            scaled.backward()
+            reports = scaler.layer_reports()
+            assert len(seen) == 3 and all(r.flushed is not None for k, r in reports.items()
+                                          if not k.startswith("cast:"))
+            for _, go in seen:  # fp8 values times a power of two: at most the format's mantissa bits
+                m, _ = torch.frexp(go.float()[go != 0])
+                bits = 3 if fmt == "float8_e4m3fn" else 2
+                assert torch.equal(m * 2 ** (bits + 1), torch.round(m * 2 ** (bits + 1)))
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+            scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())

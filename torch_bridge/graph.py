@@ -291,7 +291,7 @@ class _Builder:
         self.weighted_ops = 0
         self.missed: list[str] = []
         names: dict[str, int] = defaultdict(int)
-        casts = regions = factors = inputs = 0
+        casts = regions = factors = 0
         for plan in sorted(self.plans, key=lambda p: p.rank):  # forward order
             if self._as_layer(plan):
                 k = names[plan.name]
@@ -303,9 +303,10 @@ class _Builder:
             elif self.cast_rule and self._narrows(plan):
                 plan.kind, plan.name = "cast", f"cast:{casts}"
                 casts += 1
-            elif plan.kind == "input":
-                plan.name = f"input:{inputs}"
-                inputs += 1
+            elif plan.kind == "input":  # named after its weight, as a layer is
+                k = names[plan.name]
+                names[plan.name] += 1
+                plan.name = plan.name if k == 0 else f"{plan.name}@{k}"
             elif self._amplifies(plan):
                 plan.kind, plan.name = "factor", f"factor:{factors}"
                 factors += 1
@@ -364,7 +365,7 @@ class _Builder:
         if edges[act] is None:  # the first layer: its input needs no gradient, nothing to scale;
             # its fp16 weight gradient is still guarded (see ScaledBackward._input_layer)
             if plan.act_attr and edges[operands[w]] is not None:
-                plan.kind = "input"
+                plan.kind, plan.name = "input", origins[w]
             return False
         producer = edges[operands[w]]
         shape = tuple(self.nodes[producer[0]]._input_metadata[producer[1]].shape)

@@ -53,6 +53,8 @@ class _Decision(NamedTuple):
     absmax: Any
     fan_in: int
     held: Any = False  # a cap or bound set a decision behind ``incoming`` below its statistical scale
+    fractions: Any = None  # fp8: (flushed, subnormal, saturated) of the incoming cotangent's cast
+    current: Any = None  # fp8: the cast's scale was read from its own tensor
 
     def to_torch(self, sm: ScalarMath) -> _Decision:
         conv = sm.to_torch
@@ -61,10 +63,15 @@ class _Decision(NamedTuple):
         return _Decision(self.kind, solver.LayerScale(*map(conv, self.d)), spread, conv(self.incoming),
                          conv(self.outgoing), conv(self.absmax), self.fan_in,
                          torch.as_tensor(bool(self.held)) if not isinstance(self.held, torch.Tensor)
-                         else self.held)
+                         else self.held,
+                         None if self.fractions is None else tuple(map(conv, self.fractions)),
+                         None if self.current is None else torch.as_tensor(bool(self.current)))
 
     def report(self, config: AdaLossConfig) -> LayerReport:
-        if self.kind == "cast":
+        flushed, subnormal, saturated = self.fractions if self.fractions is not None else (None,) * 3
+        if config.fp8 and self.kind in ("cast", "first"):  # current scaling / no decision
+            pred = torch.zeros((), dtype=_F32)
+        elif self.kind == "cast":
             pred = solver.predicted_underflow_lognormal(config, self.spread, self.d.scale,
                                                         torch.special.erf, xp)
         else:
@@ -74,7 +81,8 @@ class _Decision(NamedTuple):
                            incoming_scale=self.incoming, outgoing_scale=self.outgoing,
                            predicted_underflow=pred, grad_absmax=self.absmax,
                            fan_in=torch.tensor(self.fan_in, dtype=torch.int32),
-                           unrounded_scale=self.d.unrounded, incoming_held=self.held)
+                           unrounded_scale=self.d.unrounded, incoming_held=self.held, flushed=flushed,
+                           subnormal=subnormal, saturated=saturated, current=self.current)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +206,17 @@ def _refuse_unsupported_backward(plan: ScalePlan) -> None:
 
 
 def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
-    """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats."""
+    """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats;
+    the fp8 format's for every dtype (the next layer quantizes what it receives)."""
+    if config.fp8:
+        return config.overflow_limit
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
+
+
+def to_fp8(g: torch.Tensor, dtype: torch.dtype, limit: float) -> torch.Tensor:
+    """``g`` quantized to the fp8 ``dtype``, finite entries clipped to ``±limit`` (its max) first:
+    a cast never makes inf or NaN; an inf or NaN entry stays non-finite (the step is skipped)."""
+    return torch.where(torch.isinf(g), g, g.clamp(-limit, limit)).to(dtype)
 
 
 class ScaledBackward:
@@ -314,6 +331,7 @@ class ScaledBackward:
         # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
         self.fractions: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
+        self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -334,7 +352,7 @@ class ScaledBackward:
             limited = torch.as_tensor(self.limited[name], device=fracs[0].device)
             r = solver.underflow_ratio(fracs, limited, self.config, xp)
             w = weight_of(name)
-            out[w] = r if w not in out else torch.maximum(out[w], r)
+            out[w] = r if w not in out else solver.combine_signals(self.config, out[w], r, xp)
         return out
 
     # -- hooks --------------------------------------------------------------------
@@ -352,13 +370,13 @@ class ScaledBackward:
         if p.kind != "op" and not self.adaptive:
             self.values[p.send] = self.values[p.sym]
         elif p.kind == "layer":
-            self._layer(p, go)
+            (self._layer_fp8 if self.config.fp8 else self._layer)(p, go)
         elif p.kind in ("cast", "region"):
             self._cast(p, go)
         elif p.kind == "factor":
             self._factor(p, go)
         elif p.kind == "input":
-            self._input_layer(p, go)
+            (self._layer_fp8 if self.config.fp8 else self._input_layer)(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
             param = self.plan.params[i]
             go[0], carried = self.on_leaf(param, go[0], self.sm.to_torch(self.values[p.sym]), None)
@@ -443,6 +461,7 @@ class ScaledBackward:
                 continue
             rescaled, self.values[msym] = self._merge(parts, p.out_dtypes[k])
             self._merged(msym, [s for _, s in stashed])
+            self.fitted.add(msym)
             total = rescaled[0]
             for t in rescaled[1:]:
                 total = total + t
@@ -454,6 +473,7 @@ class ScaledBackward:
             rescaled, self.values[p.sym] = self._merge(
                 [(go[k], self.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]])
             self._merged(p.sym, [p.out_syms[k] for k in present])
+            self.fitted.add(p.sym)
             for k, t in zip(present, rescaled):
                 go[k] = t
 
@@ -514,6 +534,16 @@ class ScaledBackward:
         cfg, sx = self.config, self.sm.xp
         g = go[present[0]]
         cached = self._cached(p.name)
+        if cfg.fp8 and p.kind == "cast":  # it reads its tensor anyway: current scaling
+            m = self.sm.to_xp(g.abs().amax().to(_F32))
+            d = solver.fp8_fit_scale(cfg, m, incoming, sx, self.bo)
+            outgoing = incoming * d.scale
+            self.values[p.send] = outgoing
+            self.fitted.add(p.send)
+            for k in present:
+                go[k] = self._rescale(go[k], d.scale)
+            self.decisions[p.name] = _Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
+            return
         if p.kind == "region":  # at least the region's dynamic scale (torch_bridge.regions)
             ls = self._stats(log_stats(g))
             floor = self.sm.to_xp(self.region_scale(p.name, g.device)) / incoming
@@ -579,7 +609,7 @@ class ScaledBackward:
             x_norm = x.detach().to(_F32).square().expand(g.shape).sum_to_size(shape).amax().sqrt()
             rows = 0  # no bias term: the bound is the two norms'
         return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm), rows,
-                                      self.sm.xp, self.bo)
+                                      self.sm.xp, self.bo, self._wgrad_limit(g))
 
     def _input_layer(self, p: NodePlan, go: list[Any]) -> None:
         """A first layer (its input needs no gradient: no decision) computes its weight and bias
@@ -596,7 +626,66 @@ class ScaledBackward:
         """The node's cotangent and the scale it passes on, times ``r`` (a power of two ≤ 1)."""
         self.values[p.send] = self.values[p.sym] * r
         self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
+        if p.sym in self.fitted:
+            self.fitted.add(p.send)
         go[0] = self._rescale(go[0], r)
+
+    def _layer_fp8(self, p: NodePlan, go: list[Any]) -> None:
+        """A layer (or first layer) with an fp8 ``grad_format``: the incoming cotangent (carrying
+        ``P``) quantized once, saturating (:func:`to_fp8`), and handed to the node times the
+        decision's scale (:func:`adaloss.solver.fp8_layer_scale`): both its GEMMs read the fp8
+        values. Where no decision fitted ``P`` to the format (the first cast after the loss),
+        or with ``fp8_rule="current"``, it is fitted to the tensor's own ``max|g|`` first."""
+        g, incoming = go[0], self.values[p.sym]
+        if g is None or incoming is None:
+            self.values[p.send] = incoming
+            return
+        cfg, sx = self.config, self.sm.xp
+        current = cfg.fp8_rule == "current" or p.sym not in self.fitted
+        if current:
+            fit = solver.fp8_fit_scale(cfg, self.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, self.bo)
+            g, incoming = self._rescale(g, fit.scale), incoming * fit.scale
+        q = to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit)
+        gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
+        q_absmax = gq.abs().amax().to(_F32)
+        fractions = solver.quantized_fractions(g, q, cfg, xp)
+        behind = self.deciders.get(p.sym, frozenset())
+        if cfg.underflow_feedback:
+            signal = solver.fp8_signal(cfg, *fractions, q_absmax, xp)
+            for name in behind:
+                self.fractions[name].append(signal)
+        wcap = self._weight_grad_cap(p, gq)
+        if p.kind == "input":  # no decision: only the node's 16-bit weight gradient capped
+            r = sx.ones_like(incoming) if wcap is None else solver.at_most(wcap, sx)
+            one = sx.ones_like(incoming)
+            d = solver.LayerScale(r, one, sx.zeros_like(incoming), r)
+            kind = "first"
+        else:
+            gs = self._stats(solver.TensorStats(None, torch.linalg.vector_norm(gq, dtype=_F32).square()
+                                                / gq.numel(), None, None, q_absmax))
+            ws = self._stats(tensor_stats(self._weight(p), with_mean=False))
+            cached = self._cached(p.name)
+            if cfg.fp8_rule == "current" or not cfg.layer_rule:
+                cached = (sx.ones_like(incoming), sx.zeros_like(incoming))
+            d = solver.fp8_layer_scale(cfg, gs, ws, p.fan_in, incoming, torch.finfo(g.dtype).max, sx,
+                                       cached_model_scale=None if cached is None else cached[0],
+                                       cached_sigma=None if cached is None else cached[1], backoff=self.bo,
+                                       lift=self._lift_of(p.name, g), extra_cap=wcap)
+            self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
+            self.deciders[p.send] = frozenset({p.name})
+            self.limited[p.name] = d.unrounded < d.model_scale
+            kind = "layer"
+        if kind == "first":
+            self.deciders[p.send] = behind
+        held: Any = False
+        for name in sorted(behind):
+            held = held | self.limited[name]
+        outgoing = incoming * d.scale
+        self.values[p.send] = outgoing
+        self.fitted.add(p.send)
+        go[0] = self._rescale(gq, d.scale)
+        self.decisions[p.name] = _Decision(kind, d, d.sigma, incoming, outgoing, self.sm.to_xp(q_absmax),
+                                           p.fan_in, held, fractions, current)
 
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
         """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
@@ -637,7 +726,12 @@ class ScaledBackward:
         g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
         x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
         return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
-                                      g.shape[0], self.sm.xp, self.bo)
+                                      g.shape[0], self.sm.xp, self.bo, self._wgrad_limit(g))
+
+    def _wgrad_limit(self, g: torch.Tensor) -> float | None:
+        """What a node's 16-bit weight gradient must stay below: ``u_max``, or with an fp8
+        ``grad_format`` (fp8 is only what the node reads) the 16-bit dtype's max."""
+        return torch.finfo(g.dtype).max if self.config.fp8 else None
 
     def _weight(self, p: NodePlan) -> torch.Tensor:
         """The layer's weight operand: the node's saved copy, or, when saved tensors are packed

@@ -88,10 +88,6 @@ class AdaLossScaler:
         config = AdaLossConfig() if config is None else config
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
-        if config.fp8:
-            raise NotImplementedError(
-                f"AdaLossConfig(grad_format={config.grad_format!r}): fp8 cotangents are implemented in "
-                "jax_adaloss only so far; the PyTorch bridge supports 'float16' and 'bfloat16'")
         self._model = model
         self._config = config
         self._enabled = bool(enabled)
@@ -158,7 +154,8 @@ class AdaLossScaler:
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
         plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule,
-                         cache=self._plans, grad_dtype=getattr(torch, self._config.grad_format))
+                         cache=self._plans,
+                         grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if plan.fresh:
             _refuse_sharded(self._model)
             _warn_coverage(plan)

@@ -9,6 +9,7 @@ parameters' ``.grad`` are left as they were.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -64,7 +65,13 @@ def compare_cotangents(low: dict[str, tuple[torch.Tensor, torch.Tensor]],
     def predicted(r: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         sigma = torch.sqrt(solver.variance(tensor_stats(r), xp))
         return solver.predicted_underflow(config, sigma, scale.to(torch.float32), torch.special.erf, xp)
-    return compare_layers(low, ref, predicted, config.underflow_limit, lambda t: t.detach().cpu().numpy())
+    return compare_layers(low, ref, predicted, config.underflow_limit, _numpy)
+
+
+def _numpy(t: torch.Tensor) -> Any:
+    """``t`` as a NumPy array, a 16-bit one widened to fp32 first (exact; NumPy has no bf16)."""
+    t = t.detach()
+    return (t if t.dtype == torch.float64 else t.to(torch.float32)).cpu().numpy()
 
 
 def measure_underflow(model: torch.nn.Module, loss_low: Callable[[], torch.Tensor],
