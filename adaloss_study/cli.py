@@ -3,6 +3,7 @@
     adaloss-study                       # char GPT on Shakespeare, JAX, loss ×1e-3, the default methods
     adaloss-study --steps 100 --methods fp32 dynamic adaloss-product --seeds 3
     adaloss-study --overhead            # step-time ratio adaloss / dynamic scaling
+    adaloss-study --grad-format float8_e5m2 --spike-at 150   # FP8 gradients, a loss spike mid-run
 
 Prints a table (final train/val loss, val perplexity, skipped steps, per-layer
 measured underflow: mean/max fraction below u_min, the share of layer-steps within ``T``,
@@ -23,7 +24,7 @@ import numpy as np
 
 from adaloss.config import AdaLossConfig
 from adaloss_study import jax_runner, plots
-from adaloss_study.jax_runner import DEFAULT_METHODS, METHODS, RunConfig, RunResult
+from adaloss_study.jax_runner import DEFAULT_METHODS, FP8_METHODS, METHODS, RunConfig, RunResult
 from adaloss_study.tasks import TASKS
 
 
@@ -33,7 +34,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="jax: jax_adaloss, jmp; torch: torch_bridge, torch.amp.GradScaler")
     ap.add_argument("--task", choices=["shakespeare", "digits"], default="shakespeare",
                     help="shakespeare: char GPT; digits: small CNN on scikit-learn's 8x8 digits")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                    help=f"default: {' '.join(DEFAULT_METHODS)}; with an fp8 --grad-format: "
+                         f"{' '.join(FP8_METHODS)}")
+    ap.add_argument("--grad-format", choices=["float16", "float8_e5m2", "float8_e4m3fn"], default="float16",
+                    help="AdaLossConfig.grad_format; fp8: every method but fp32 computes in bf16 and "
+                         "quantizes each layer's cotangent (JAX only)")
+    ap.add_argument("--spike-at", type=int, default=None,
+                    help="multiply the loss by 1000 for 10 steps from this step (every method)")
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
     ap.add_argument("--batch", type=int, default=RunConfig.batch)
     ap.add_argument("--seq", type=int, default=RunConfig.seq)
@@ -74,14 +82,19 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _summary(r: RunResult, threshold: float) -> dict[str, float]:
+def _summary(r: RunResult, threshold: float, cfg: RunConfig | None = None) -> dict[str, float]:
     """One run's row: losses, skips, underflow (left below u_min by the scales: mean, max, the
     share of layer-steps at most ``threshold``; held below u_min as carried: mean; flushed to
-    zero: max) and step time."""
+    zero: max; with fp8, what the casts flushed: max) and step time; with a spike (``cfg``), the
+    mean train loss over the spike and the 20 steps after it."""
     rates = np.array([v for step in r.underflow.values() for v in step.values()], float)
-    flushed = [v for step in r.flushed.values() for v in step.values()]
+    flushed = [v for step in (r.fp8_flushed or r.flushed).values() for v in step.values()]
     carried = [v for step in r.carried.values() for v in step.values()]
-    return {"train_loss": float(np.mean(r.train_loss[-20:])), "val_loss": r.val_loss,
+    extra = {}
+    if cfg is not None and cfg.spike_at is not None:
+        window = r.train_loss[cfg.spike_at:cfg.spike_at + cfg.spike_steps + 20]
+        extra["spike_loss"] = float(np.mean(window)) if window else float("nan")
+    return extra | {"train_loss": float(np.mean(r.train_loss[-20:])), "val_loss": r.val_loss,
             "val_ppl": r.val_ppl, "skipped": r.skipped,
             "underflow_mean": float(rates.mean()) if rates.size else 0.0,
             "underflow_max": float(rates.max()) if rates.size else 0.0,
@@ -93,6 +106,8 @@ def _summary(r: RunResult, threshold: float) -> dict[str, float]:
 def _table(rows: dict[str, list[dict[str, float]]]) -> str:
     cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "within_T",
             "carried_mean", "flushed_max", "step_ms"]
+    if any("spike_loss" in r for runs in rows.values() for r in runs):
+        cols.insert(0, "spike_loss")
     cells: dict[str, list[str]] = {}
     for method, runs in rows.items():
         cells[method] = []
@@ -115,7 +130,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(steps=args.steps, batch=args.batch, seq=args.seq, dim=args.dim, layers=args.layers,
                      lr=args.lr, loss_factor=args.loss_factor, adam_eps=args.adam_eps,
                      growth_interval=args.growth_interval, static_scale=args.static_scale,
-                     measure_every=args.measure_every, adaloss=AdaLossConfig(**overrides))
+                     measure_every=args.measure_every, spike_at=args.spike_at,
+                     adaloss=AdaLossConfig(grad_format=args.grad_format, **overrides))
 
 
 def _args_record(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +156,10 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 def study(args: argparse.Namespace) -> dict[str, Any]:
     """Run every method (× seeds) of ``args``; print the table, write JSON (and plots) to ``args.out``."""
     base = _run_config(args)
+    if args.methods is None:
+        args.methods = list(FP8_METHODS if base.adaloss.fp8 else DEFAULT_METHODS)
+    if args.framework == "torch" and (base.adaloss.fp8 or base.spike_at is not None):
+        raise SystemExit("adaloss-study: --grad-format fp8 and --spike-at run with --framework jax only")
     if args.framework == "torch":
         from adaloss_study import torch_runner as runner
     else:
@@ -154,7 +174,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         make = task.torch_model if args.framework == "torch" else task.flax_model
         for method in args.methods:
             result = runner.run(method, cfg, task.train(seed), val, make)
-            rows[method].append(_summary(result, base.adaloss.threshold))
+            rows[method].append(_summary(result, base.adaloss.threshold, cfg))
             first.setdefault(method, result)
             print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "
                   f"skipped {result.skipped}, {result.step_ms:.1f} ms/step", file=sys.stderr)
@@ -167,8 +187,10 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_plots:
         plots.loss_curves(first, args.out / "loss.png", f"{args.task} ({args.framework})")
         plots.underflow_over_steps(first, args.out / "underflow.png", base.adaloss.threshold)
+        if base.adaloss.fp8:
+            plots.fp8_fractions(first, args.out / "fp8_fractions.png", base)
         for m, r in first.items():
-            if r.scales and "global" not in next(iter(r.scales.values()), {}):
+            if any(r.scales.values()) and "global" not in next(iter(r.scales.values()), {}):
                 plots.scale_heatmap(r, args.out / f"scales_{m}.png")
     print(f"\nwrote {args.out}/study.json" + ("" if args.no_plots else " and plots"))
     return record
@@ -186,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         from adaloss_study import gallery
 
         path = gallery.write_results(args.out, lambda extra: _dispatch(_parser().parse_args(extra)),
-                                     gallery.CASES, reuse=args.reuse, overhead=gallery.OVERHEAD)
+                                     gallery.CASES, reuse=args.reuse, overhead=gallery.OVERHEAD,
+                                     fp8=gallery.FP8_CASES)
         print(f"wrote {path}")
         if args.out.resolve() == (Path.cwd() / "docs").resolve():  # the repository's own pages
             from adaloss_study import doc_blocks

@@ -215,6 +215,13 @@ def skips(docs: Path) -> str:
     return "\n".join(lines)
 
 
+def fp8(docs: Path) -> str:
+    """The FP8 benchmark (``docs/fp8.json``): the summary, then the table."""
+    from adaloss_zoo.fp8_tables import summary, table
+    rows = _json(docs, "fp8.json")["rows"]
+    return "\n".join(summary(rows)) + "\n\n" + table(rows)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "readme-results": readme_results,
     "study-cases": study_cases,
@@ -223,6 +230,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "cost": cost,
     "departures": departures,
     "skips": skips,
+    "fp8": fp8,
 }
 
 

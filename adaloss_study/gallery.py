@@ -57,6 +57,25 @@ CASES = (
 )
 
 
+#: the study with FP8 gradients (``--grad-format``): its own section, apart from the fp16 cases
+FP8_CASES = (
+    Case("fp8-e5m2", "FP8 e5m2 gradients", ("--grad-format", "float8_e5m2", "--seeds", "2"),
+         "Every method but fp32 computes in bf16; adaloss, current and delayed scaling quantize each "
+         "layer's cotangent to e5m2 (Transformer Engine's HYBRID gradients), bf16 does not quantize."),
+    Case("fp8-e4m3", "FP8 e4m3 gradients per tensor", ("--grad-format", "float8_e4m3fn", "--seeds", "2"),
+         "The same with e4m3 gradients (3 mantissa bits, ~18 binades), per tensor: no production "
+         "stack trains this way (Transformer Engine's all-e4m3 recipe needs 1×128 tiles); how far "
+         "does each way of choosing the scale get?"),
+    Case("fp8-spike", "FP8 e5m2 gradients, a loss spike mid-run",
+         ("--grad-format", "float8_e5m2", "--spike-at", "150", "--methods", "fp32", "bf16", "adaloss-product",
+          "current", "delayed-16", "delayed-1024"),
+         "From step 150 the loss is ×1000 for 10 steps, where a stale amax history mis-scales "
+         "(`spike loss`: the mean train loss over the spike and the 20 steps after it). Adam's second "
+         "moment keeps the spike's gradients for ~1000 steps, so every method, fp32 included, trains "
+         "slower after it: compare the methods with each other."),
+)
+
+
 def slug(title: str) -> str:
     """The anchor GitHub and MyST (``myst_heading_anchors``) give a heading: lower case, the
     characters other than letters, digits, ``_``, ``-`` and spaces dropped, spaces as ``-``."""
@@ -80,7 +99,8 @@ OVERHEAD = (
 def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str:
     """The study table; ``vs fp32``: the relative val-loss difference to fp32 at the same seed
     (same initialisation and batches), mean ± std over seeds."""
-    cols = [("val_loss", "val loss", ".4f"), ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
+    cols = [("spike_loss", "spike loss", ".4f"), ("val_loss", "val loss", ".4f"),
+            ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
             ("underflow_mean", "underflow mean", ".2e"), ("underflow_max", "underflow max", ".2e"),
             ("within_T", "within T", ".2f"), ("carried_mean", "carried mean", ".2e"),
             ("flushed_max", "flushed max", ".2e"),
@@ -113,8 +133,8 @@ def _run_case(out: Path, case: Case, result_file: str, run: Callable[[list[str]]
 
 def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
                   cases: tuple[Case, ...] = CASES, reuse: bool = False,
-                  overhead: tuple[Case, ...] = OVERHEAD) -> Path:
-    """Run ``cases`` and ``overhead`` (``run(argv)`` is ``adaloss-study argv``) into
+                  overhead: tuple[Case, ...] = OVERHEAD, fp8: tuple[Case, ...] = FP8_CASES) -> Path:
+    """Run ``cases``, ``fp8`` and ``overhead`` (``run(argv)`` is ``adaloss-study argv``) into
     ``out/<case>/`` and write ``out/results.md``.
 
     ``reuse``: a case whose ``study.json`` / ``overhead.json`` exists (from the same
@@ -139,17 +159,12 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
     for case in cases:
         argv, record = _run_case(out, case, "study.json", run, reuse)
         records[case.name] = record
-        rel = Path(case.name)
-        parts += [f"## {case.title}", "", case.question, "",
-                  f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
-                  f"![loss]({rel / 'loss.png'}) ![underflow]({rel / 'underflow.png'})", ""]
-        heat = out / case.name / "scales_adaloss-product.png"
-        if heat.exists():
-            parts += [f"![per-layer scales, adaloss-product]({rel / heat.name})", ""]
+        parts += _case_section(out, case, argv, record, "##", "underflow")
         parts += _against_threshold(record)
     parts[intro:intro] = _overview(records)
     parts += _which_model(records)
     parts += _threshold_summary(records)
+    parts += _fp8_cases(out, fp8, run, reuse)
     if overhead:
         parts += ["## Overhead", "",
                   "Step time of fp16 with no scaling, dynamic global scaling and adaloss-product, "
@@ -163,6 +178,7 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
                       f"{result['parameters']:,} parameters; {result['machine']}.", "",
                       overhead_table(result), ""]
     parts += _zoo(out / "zoo.json")
+    parts += _fp8_benchmark(out / "fp8.json")
     from adaloss_study import cost_tables, depth_tables, parallel_tables
     parts += _benchmark(out / "depth.json", depth_tables.section)
     parts += _benchmark(out / "cost_breakdown.json", cost_tables.section)
@@ -170,6 +186,59 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
     path = out / "results.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _fp8_cases(out: Path, cases: tuple[Case, ...], run: Callable[[list[str]], dict[str, Any]],
+               reuse: bool) -> list[str]:
+    """The FP8 study's sections: the table (no underflow columns: the casts report their own
+    fractions; `flushed max`: the largest fraction any cast flushed), loss curves, the casts'
+    flushed and saturated fractions over steps, adaloss's per-layer scales."""
+    if not cases:
+        return []
+    parts = ["## FP8 gradients: the study", "",
+             "The same model and data; `vs fp32`: the relative val-loss difference to fp32 at the "
+             "same seed. `current`: per-tensor current scaling (each cast's own max, Transformer "
+             "Engine's `Float8CurrentScaling`); `delayed-16` / `delayed-1024`: flax's `fp8_ops` "
+             "delayed scaling (amax histories of 16 and 1024 steps, scale 1 at step 0) on every "
+             "layer's output cotangent; `cast-only`: adaloss with one scale, the loss cotangent's.", ""]
+    for case in cases:
+        argv, record = _run_case(out, case, "study.json", run, reuse)
+        parts += _case_section(out, case, argv, record, "###", "fp8_fractions")
+    return parts
+
+
+def _case_section(out: Path, case: Case, argv: list[str], record: dict[str, Any], level: str,
+                  second_plot: str) -> list[str]:
+    """A study case's heading, question, command, table, loss curves and ``second_plot``, and
+    adaloss's per-layer scales where plotted."""
+    rel = Path(case.name)
+    alt = second_plot.replace("_", " ")
+    parts = [f"{level} {case.title}", "", case.question, "",
+             f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
+             f"![loss]({rel / 'loss.png'}) ![{alt}]({rel / (second_plot + '.png')})", ""]
+    heat = out / case.name / "scales_adaloss-product.png"
+    if heat.exists():
+        parts += [f"![per-layer scales, adaloss-product]({rel / heat.name})", ""]
+    return parts
+
+
+FP8_COMMAND = "python benchmarks/fp8.py"
+
+
+def _fp8_benchmark(path: Path) -> list[str]:
+    """The FP8 benchmark's table and summary, from its JSON (if it was run)."""
+    if not path.exists():
+        return []
+    from adaloss_zoo.fp8_tables import summary, table
+
+    rows = json.loads(path.read_text())["rows"]
+    return ["## FP8 gradients on the model zoo: one backward per model, format and loss factor", "",
+            f"```\n{FP8_COMMAND}\n```", "",
+            "The JAX zoo with a bf16 forward; median per-parameter error against the same forward's "
+            "fp32 backward at loss ×1, the mean over two initialisations and batches. Methods in the "
+            "benchmark's docstring; `own max / casts`: the casts whose scale reads a full reduction "
+            "of the tensor they convert (a second pass over it), for adaloss and current scaling.",
+            "", *summary(rows), "", table(rows), ""]
 
 
 def _benchmark(path: Path, section: Any) -> list[str]:

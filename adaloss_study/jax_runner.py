@@ -16,6 +16,19 @@ Methods (the baselines are the libraries people use):
   scale from the loss cotangent's statistics, no per-layer statistical scales;
 - ``largest-safe``: per-layer scales that only the overflow caps decide (``u_min = 2^15``).
 
+With an fp8 ``grad_format`` (``adaloss-study --grad-format float8_e5m2``) every method but
+``fp32`` computes in bf16 and the gradients are fp8 wherever a method quantizes them:
+
+- ``bf16``: bf16 compute, no quantization, no scaling;
+- ``adaloss-<model>``, ``cast-only``: adaloss with ``grad_format`` (``cast-only``: one scale,
+  the loss cotangent's);
+- ``current``: ``fp8_rule="current"``, per-tensor current scaling (each cast's own max);
+- ``delayed-16`` / ``delayed-1024``: flax's ``fp8_ops.out_qdq`` on every layer's output
+  (:mod:`adaloss_zoo.fp8_delayed`), amax histories of 16 and 1024 steps, kept in the train state.
+
+``RunConfig.spike_at``: the loss ×``spike`` for ``spike_steps`` steps from that step (every
+method), where a stale amax history mis-scales.
+
 Adam's ε is ``adam_eps × loss_factor``: Adam is then invariant to the loss factor, so every
 factor has the same fp32 reference (with a fixed ε = 1e-8, gradients of 1e-10 at ×1e-8
 would turn Adam into slow SGD).
@@ -47,9 +60,15 @@ from adaloss.config import AdaLossConfig
 from jax_adaloss.underflow import compare_cotangents
 
 METHODS = ("fp32", "fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only",
-           "largest-safe", "adaloss-output", "adaloss-gradient")
+           "largest-safe", "adaloss-output", "adaloss-gradient", "bf16", "current", "delayed-16",
+           "delayed-1024")
 #: what ``adaloss-study`` runs unless ``--methods`` says otherwise
 DEFAULT_METHODS = METHODS[:8]
+#: the same with an fp8 ``--grad-format``
+FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "delayed-16", "delayed-1024", "cast-only")
+#: the methods that only make sense with an fp8 ``grad_format`` (and those only without one)
+_FP8_ONLY = ("current", "delayed-16", "delayed-1024")
+_FP16_ONLY = ("fp16", "static", "dynamic", "dynamic-grow", "largest-safe")
 GLOBAL_SCALES = ("static", "dynamic", "dynamic-grow")
 
 
@@ -61,6 +80,8 @@ def adaloss_config(method: str, base: AdaLossConfig) -> AdaLossConfig | None:
         return dataclasses.replace(base, layer_rule=False)
     if method == "largest-safe":
         return dataclasses.replace(base, u_min=2.0**15)
+    if method == "current":
+        return dataclasses.replace(base, fp8_rule="current")
     return None
 
 
@@ -83,6 +104,20 @@ class RunConfig:
     eval_batches: int = 8
     seed: int = 0
     adaloss: AdaLossConfig = AdaLossConfig()
+    spike_at: int | None = None  # the loss × ``spike`` for ``spike_steps`` steps from this step
+    spike: float = 1000.0
+    spike_steps: int = 10
+
+    def factor(self, step: int) -> float:
+        """The spike's factor at ``step`` (1 outside the spike)."""
+        on = self.spike_at is not None and self.spike_at <= step < self.spike_at + self.spike_steps
+        return self.spike if on else 1.0
+
+    def compute_dtype(self, method: str) -> Any:
+        """fp32 for ``fp32``; bf16 with an fp8 ``grad_format`` (and for ``bf16``); else fp16."""
+        if method == "fp32":
+            return jnp.float32
+        return jnp.bfloat16 if self.adaloss.fp8 or method == "bf16" else jnp.float16
 
     @property
     def eps(self) -> float:
@@ -117,6 +152,10 @@ class RunResult:
     limited: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     # step -> adaloss layers whose incoming scale such a decision set (a larger one not available)
     held: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    # fp8, adaloss methods: step -> layer -> fraction of its cast's non-zero entries flushed to
+    # zero / saturated (every step)
+    fp8_flushed: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    fp8_saturated: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def val_ppl(self) -> float:
@@ -159,8 +198,11 @@ class Trainer:
                  telemetry: bool = True) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if (method in _FP8_ONLY and not cfg.adaloss.fp8) or (method in _FP16_ONLY and cfg.adaloss.fp8):
+            need = "an fp8 --grad-format" if method in _FP8_ONLY else "--grad-format float16"
+            raise ValueError(f"method {method!r} needs {need} (got {cfg.adaloss.grad_format!r})")
         self.method, self.cfg = method, cfg
-        dtype = jnp.float32 if method == "fp32" else jnp.float16
+        dtype = cfg.compute_dtype(method)
         graphdef, self.params = nnx.split(make_model(cfg, dtype, cfg.seed))
         ref_graph, _ = nnx.split(make_model(cfg, jnp.float32, cfg.seed))
         self.loss = _loss_fn(graphdef, cfg.loss_factor)
@@ -168,12 +210,18 @@ class Trainer:
         self.ada_cfg = adaloss_config(method, cfg.adaloss)
         if self.ada_cfg is not None:
             self._step, self.state = _adaloss_step(self.loss, self.ada_cfg, cfg, self.params, telemetry)
+        elif method.startswith("delayed-"):
+            self._step, self.state = _delayed_step(self.loss, method, cfg, self.params)
         else:
             self._step, self.state = _global_step(self.loss, method, cfg, self.params, telemetry)
 
-    def step(self, x: Any, y: Any) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        """One training step: (loss, skipped, scales) as device arrays."""
-        self.params, self.state, value, scales, skip = self._step(self.params, self.state, x, y)
+    def step(self, x: Any, y: Any, factor: float = 1.0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """One training step, the loss × ``factor`` (a spike): (loss, skipped, scales) as device
+        arrays."""
+        if callable(self.state):  # delayed scaling: its metas need a batch to count the layers
+            self.state = self.state(x, y)
+        self.params, self.state, value, scales, skip = self._step(self.params, self.state, x, y,
+                                                                  np.float32(factor))
         return value, skip, scales
 
     def global_scale(self) -> jax.Array:
@@ -193,20 +241,50 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, cfg: Ru
     cached = config.update_every > 1
 
     @jax.jit
-    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+    def step(params: Any, state: Any, x: Any, y: Any, factor: Any) -> Any:
         opt_state, cache = state if cached else (state, None)
         kwargs = {"adaloss_cache": cache} if cache is not None else {}
         kwargs["adaloss_state"] = opt_state  # the back-off after skipped steps
-        (value, grads), report = vg(params, x, y, _ONE, **kwargs)
+        (value, grads), report = vg(params, x, y, factor, **kwargs)
         updates, opt_state = tx.update(grads, opt_state, params)
         scales = {}
         if telemetry:
             for k, r in report.layers.items():
                 scales[k], scales[f"{k}#limited"] = r.scale, r.unrounded_scale < r.model_scale
                 scales[f"{k}#held"] = r.incoming_held
+                if r.flushed is not None:
+                    scales[f"{k}#flushed"], scales[f"{k}#saturated"] = r.flushed, r.saturated
         state = (opt_state, report.cache) if cached else opt_state
-        return optax.apply_updates(params, updates), state, value, scales, jnp.zeros((), bool)
+        return optax.apply_updates(params, updates), state, value / factor, scales, jnp.zeros((), bool)
     return step, (tx.init(params), None) if cached else tx.init(params)
+
+
+def _delayed_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any) -> Any:
+    """Adam on gradients whose every layer-output cotangent went through flax's
+    ``fp8_ops.out_qdq`` at its delayed scale; the metas (scales, amax histories) ride in the state,
+    created at the first batch (a callable until then); a non-finite step is skipped (the metas
+    still advance, as in flax and Transformer Engine)."""
+    from adaloss_zoo.fp8_delayed import count_layers, delayed_value_and_grad, init_metas
+
+    adam = optax.adam(cfg.lr, eps=cfg.eps)
+    history = int(method.split("-", 1)[1])
+    q_dtype = jnp.dtype(cfg.adaloss.grad_format)
+
+    def init(x: Any, y: Any) -> Any:
+        n = count_layers(lambda p: (loss(p, x, y, _ONE), None), params)
+        return adam.init(params), init_metas(n, history)
+
+    @jax.jit
+    def step(params: Any, state: Any, x: Any, y: Any, factor: Any) -> Any:
+        opt_state, metas = state
+        run = delayed_value_and_grad(lambda p: (loss(p, x, y, factor), None), q_dtype)
+        (value, _), grads, metas = run(params, metas)
+        finite = jmp.all_finite(grads)
+        updates, new_opt = adam.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
+        return params, (opt_state, metas), value / factor, {}, ~finite
+    return step, init
 
 
 def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any,
@@ -222,9 +300,9 @@ def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, pa
         scale0 = jmp.NoOpLossScale()
 
     @jax.jit
-    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+    def step(params: Any, state: Any, x: Any, y: Any, factor: Any) -> Any:
         opt_state, ls = state
-        value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, x, y, _ONE)))(params)
+        value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, x, y, factor)))(params)
         grads = ls.unscale(grads)
         finite = jmp.all_finite(grads)
         updates, new_opt = adam.update(grads, opt_state, params)
@@ -234,7 +312,7 @@ def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, pa
             ls = ls.adjust(finite)
         scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else _ONE
         scales = {"global": jnp.asarray(scale, jnp.float32)} if telemetry else {}
-        return (params, (opt_state, ls), ls.unscale(value), scales,
+        return (params, (opt_state, ls), ls.unscale(value) / factor, scales,
                 ~finite)
     return step, (adam.init(params), scale0)
 
@@ -254,7 +332,10 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
     res = RunResult(method)
     for i in tqdm(range(cfg.steps), desc=method, leave=False, disable=None if progress else True):
         x, y = next(data)
-        if method != "fp32" and cfg.measure_every and i % cfg.measure_every == 0:
+        factor = cfg.factor(i)
+        # fp8: the casts report their own fractions every step (the underflow measurement compares
+        # 16-bit cotangents with an fp32 backward's)
+        if method != "fp32" and not cfg.adaloss.fp8 and cfg.measure_every and i % cfg.measure_every == 0:
             if t.ada_cfg is not None:  # with the run's back-off and lifts
                 low = capture_adaptive(t.params, x, y, _ONE, state=t.state)
             else:
@@ -263,10 +344,16 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
             got = compare_cotangents(low, capture_ref(t.params, x, y, _ONE), cfg.adaloss)
             res.add_underflow(i, got)
         t0 = time.perf_counter()
-        value, skip, step_scales = t.step(x, y)
+        value, skip, step_scales = t.step(x, y, factor)
         jax.block_until_ready(value)
         res.add_step(time.perf_counter() - t0, float(value) / cfg.loss_factor, bool(skip))
-        if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1:
+        if cfg.adaloss.fp8 and step_scales:
+            res.fp8_flushed[i] = {k.removesuffix("#flushed"): float(v) for k, v in step_scales.items()
+                                  if k.endswith("#flushed")}
+            res.fp8_saturated[i] = {k.removesuffix("#saturated"): float(v) for k, v in step_scales.items()
+                                    if k.endswith("#saturated")}
+        near_spike = cfg.spike_at is not None and cfg.spike_at - 1 <= i < cfg.spike_at + 2 * cfg.spike_steps
+        if i % max(1, cfg.measure_every) == 0 or i == cfg.steps - 1 or near_spike:
             res.scales[i] = {k: float(v) for k, v in step_scales.items() if "#" not in k}
             res.limited[i] = sorted(k.removesuffix("#limited") for k, v in step_scales.items()
                                 if k.endswith("#limited") and bool(v))

@@ -80,3 +80,29 @@ def scale_heatmap(result: RunResult, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def fp8_fractions(results: dict[str, RunResult], path: Path, cfg: Any) -> Path:
+    """Per adaloss method: the largest fraction any layer's fp8 cast flushed to zero and saturated,
+    per step (the spike's steps shaded)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        if not r.fp8_flushed:
+            continue
+        steps = sorted(r.fp8_flushed)
+        flushed = [max(r.fp8_flushed[s].values(), default=0.0) for s in steps]
+        saturated = [max(r.fp8_saturated[s].values(), default=0.0) for s in steps]
+        (line,) = ax.plot(steps, flushed, label=f"{name} flushed")
+        ax.plot(steps, saturated, ls="--", color=line.get_color(), label=f"{name} saturated")
+    if cfg.spike_at is not None:
+        ax.axvspan(cfg.spike_at, cfg.spike_at + cfg.spike_steps, color="0.85",
+                   label=f"loss ×{cfg.spike:g}")
+    ax.set_yscale("symlog", linthresh=1e-5)
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="step", ylabel="largest fraction over the layers",
+           title=f"{cfg.adaloss.grad_format} casts: flushed and saturated")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -106,7 +106,8 @@ def pure(loss: Callable[[Any], Any], x: Any) -> tuple[Callable[[Any], Any], Any]
     Module its ``nnx.Param`` state (what ``nnx.value_and_grad`` differentiates)."""
     if isinstance(x, nnx.Module):
         graphdef, params, rest = nnx.split(x, nnx.Param, ...)
-        return (lambda p: loss(nnx.merge(graphdef, p, rest))), params
+        # copies of the Variables inside the trace: BatchNorm may update its statistics there
+        return (lambda p: loss(nnx.merge(graphdef, p, rest, copy=True))), params
     return loss, x
 
 

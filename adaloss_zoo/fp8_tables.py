@@ -10,7 +10,7 @@ import numpy as np
 Row = dict[str, Any]
 
 #: the methods of a row, in the table's order (each a ``{"median", "worst"}`` mean over seeds)
-COLUMNS = ("adaloss", "current", "cast-only", "delayed-16 cold", "delayed-16", "delayed-1024",
+COLUMNS = ("adaloss", "current", "current exact", "cast-only", "delayed-16 cold", "delayed-16",
            "adaloss spike", "delayed-16 spike", "delayed-16 after")
 
 
@@ -54,6 +54,7 @@ def summary(rows: list[Row], tol: float = 0.01) -> list[str]:
     spike = _count(rows, lambda r: med(r, "adaloss spike") < med(r, "delayed-16 spike"))
     after = _count(rows, lambda r: med(r, "adaloss") <= med(r, "delayed-16 after") * (1 + tol))
     nan = _count(rows, lambda r: not np.isfinite(r["delayed-16 cold"]["median"]))
+    exact = _count(rows, lambda r: med(r, "current exact") < med(r, "current") * (1 - tol))
     own = sorted({(r["runs"][0]["adaloss"]["own_max"], r["runs"][0]["adaloss"]["casts"]) for r in rows})
     worst_sat = max(run["adaloss"]["saturated"] for r in rows for run in r["runs"])
     return [
@@ -64,7 +65,14 @@ def summary(rows: list[Row], tol: float = 0.01) -> list[str]:
         + (f"; the delayed backward is NaN on {nan} (flax computes its scale in the model's dtype: "
            "fp16 flushes it to zero)." if nan else "."),
         f"- **against delayed scaling warmed for 16 steps on the same batch**: within {tol:.0%} or lower "
-        f"on {warm} of {n} rows.",
+        f"on {warm} of {n} rows. Current scaling with the exact scale (`max|g|` mapped to the format's "
+        f"max, not a power of two below it) is more than {tol:.0%} better than with a power of two on "
+        f"{exact} of {n} rows (on tensors this small a few entries near `max|g|`, such as the loss "
+        "cotangent's target entries, carry much of the norm, and an exact scale represents the largest "
+        "exactly); adaloss's scales are powers of two.",
+        f"- **one scale for the whole backward** (`cast-only`): within {tol:.0%} of adaloss on "
+        f"{_count(rows, lambda r: abs(med(r, 'cast-only') - med(r, 'adaloss')) <= tol * med(r, 'adaloss'))} "
+        f"of {n} rows: at these depths and at initialisation one scale fits every layer's range.",
         f"- **a spike** (one step at the loss ×1000 after those 16): lower on {spike} of {n} rows; "
         f"the step after it: within {tol:.0%} or lower on {after} of {n}.",
         "- **casts that read their own max** (a second pass over the tensor) out of the casts per "

@@ -40,8 +40,14 @@ def test_gallery_writes_results_page(tmp_path, monkeypatch):
     timing = ("--overhead", "--task", "digits", "--steps", "1", "--batch", "2", "--repeats", "1")
     monkeypatch.setattr(gallery, "CASES", (gallery.Case("tiny", "Tiny", argv, "Smoke."),))
     monkeypatch.setattr(gallery, "OVERHEAD", (gallery.Case("oh", "Timing", timing, "Smoke."),))
+    fp8 = ("--grad-format", "float8_e5m2", "--spike-at", "1", "--steps", "3", "--methods", "fp32", "bf16",
+           "adaloss-product", "current", "delayed-16", "--dim", "16", "--layers", "1", "--seq", "16")
+    monkeypatch.setattr(gallery, "FP8_CASES", (gallery.Case("tiny8", "Tiny FP8", fp8, "Smoke."),))
     assert cli.main(["--gallery", "--out", str(tmp_path)]) == 0
     page = (tmp_path / "results.md").read_text()
+    assert "### Tiny FP8" in page and "| delayed-16 |" in page and "spike loss" in page
+    fp8_run = json.loads((tmp_path / "tiny8" / "study.json").read_text())["runs"]["adaloss-product"]
+    assert len(fp8_run["fp8_flushed"]) == 3 and (tmp_path / "tiny8" / "fp8_fractions.png").exists()
     assert "## Tiny" in page and "adaloss-study --steps 2" in page
     assert "| fp16 |" in page and "vs fp32" in page
     assert "| [tiny](#tiny) | 1 | " in page  # the overview line
@@ -50,7 +56,8 @@ def test_gallery_writes_results_page(tmp_path, monkeypatch):
 
     def no_rerun(extra):
         raise AssertionError("reran a case")
-    again = gallery.write_results(tmp_path, no_rerun, gallery.CASES, reuse=True, overhead=gallery.OVERHEAD)
+    again = gallery.write_results(tmp_path, no_rerun, gallery.CASES, reuse=True, overhead=gallery.OVERHEAD,
+                                  fp8=gallery.FP8_CASES)
     assert again.read_text() == page
 
 
