@@ -198,6 +198,7 @@ def test_a_scanned_stack_quantizes_as_the_unrolled_one():
     """``nn.scan`` over remat blocks: the per-iteration fp8 decisions and the gradients are
     bitwise those of the unrolled loop (the carry's scale stays fitted across iterations)."""
     import test_scan as ts
+
     from jax_adaloss.scaled_grad import unscale_tree
 
     cfg = AdaLossConfig(grad_format="float8_e5m2")
