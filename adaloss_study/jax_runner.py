@@ -308,12 +308,12 @@ def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, pa
         updates, new_opt = adam.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
+        loss_value = ls.unscale(value) / factor  # by the scale this step used, before it adjusts
         if isinstance(ls, jmp.DynamicLossScale):
             ls = ls.adjust(finite)
         scale = ls.loss_scale if not isinstance(ls, jmp.NoOpLossScale) else _ONE
         scales = {"global": jnp.asarray(scale, jnp.float32)} if telemetry else {}
-        return (params, (opt_state, ls), ls.unscale(value) / factor, scales,
-                ~finite)
+        return params, (opt_state, ls), loss_value, scales, ~finite
     return step, (adam.init(params), scale0)
 
 

@@ -190,6 +190,9 @@ def test_ablation_methods(tmp_path, capsys):
     runs = record["runs"]
     grow = runs["dynamic-grow"]["scales"]
     assert grow["3"]["global"] > grow["0"]["global"] > 2.0**16  # from 2^16, doubled every clean step
+    # the recorded loss is unscaled by the scale its step used, not by the doubled one
+    recorded = runs["dynamic-grow"]["train_loss"]
+    assert recorded == pytest.approx(runs["adaloss-product"]["train_loss"], rel=1e-2)
     cast_only = runs["cast-only"]["scales"]["0"]
     assert max(v for k, v in cast_only.items() if not k.startswith("cast:")) <= 1.0
     assert max(v for k, v in cast_only.items() if k.startswith("cast:")) > 1.0
