@@ -139,6 +139,14 @@ class AdaLossConfig:
         ``Float8CurrentScaling`` computes it: every cast takes the power of two that maps its
         own tensor's ``max|g|`` to the format's max (a reduction over the tensor before it is
         cast); the layers' statistical scales are 1 (their caps still hold).
+      operand_format: ``None`` (default: the layers' GEMMs read the model's activations and
+        weights), or an fp8 format (:data:`FP8_FORMATS`, ``"float8_e4m3fn"`` for Transformer
+        Engine's ``HYBRID`` recipe) to which every layer's input and weight are quantized
+        (saturating) at their own per-tensor ``max|x|`` (current scaling: the largest power of
+        two, or with ``power_of_two=False`` the exact factor, that maps it to the format's
+        max) for its forward GEMM and both backward GEMMs, so that every GEMM multiplies fp8
+        by fp8. The weight's gradient passes the quantization unchanged (straight through).
+        Needs an fp8 ``grad_format``; JAX only (``AdaLossScaler`` refuses it).
     """
 
     threshold: float = 1e-3
@@ -158,6 +166,7 @@ class AdaLossConfig:
     underflow_feedback: bool = True
     saturation: float = 1e-4
     fp8_rule: Fp8Rule = "decision"
+    operand_format: str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_real(self.threshold) and 0.0 < self.threshold < 0.5,
@@ -191,6 +200,11 @@ class AdaLossConfig:
         _check(_is_real(self.saturation) and 0.0 < self.saturation < 0.5,
                "saturation", "a float in (0, 0.5)", self.saturation)
         _check(self.fp8_rule in FP8_RULES, "fp8_rule", f"one of {FP8_RULES}", self.fp8_rule)
+        _check(self.operand_format is None or self.operand_format in FP8_FORMATS, "operand_format",
+               f"None or one of {FP8_FORMATS}", self.operand_format)
+        _check(self.operand_format is None or self.fp8, "operand_format",
+               f"None with grad_format={self.grad_format!r} (fp8 operands need an fp8 grad_format)",
+               self.operand_format)
 
     @classmethod
     def authors_preset(cls, model: StatModel = "gradient", **overrides: object) -> AdaLossConfig:
@@ -211,6 +225,13 @@ class AdaLossConfig:
     def fp8(self) -> bool:
         """Whether ``grad_format`` is an 8-bit format (:data:`FP8_FORMATS`)."""
         return self.grad_format in FP8_FORMATS
+
+    @property
+    def operand_limit(self) -> float:
+        """The largest finite value of ``operand_format`` (``operand_format`` must be set)."""
+        if self.operand_format is None:
+            raise ValueError("AdaLossConfig.operand_format is None: the layers' operands are not quantized")
+        return format_limits(self.operand_format).u_max
 
     @property
     def z_saturation(self) -> float:

@@ -369,6 +369,25 @@ def fp8_fit_scale(config: AdaLossConfig, g_absmax: Array, incoming: Array, xp: A
     return _decide(config, q, q, incoming, g_absmax, xp, backoff)
 
 
+def to_fp8(g: Array, dtype: Any, limit: float, xp: Any) -> Array:
+    """``g`` quantized to the fp8 ``dtype``, its finite entries clipped to ``±limit`` (the format's
+    max) first, its non-finite ones made NaN: a cast never makes an inf or NaN of a finite value
+    (JAX's e4m3fn cast gives NaN beyond ~464, e5m2's inf beyond ~61440) nor a finite value of a
+    non-finite one (torch's e4m3fn cast saturates inf to 448), so a non-finite step is skipped."""
+    nan = xp.full_like(g, math.nan)
+    return xp.astype(xp.where(xp.isfinite(g), xp.clip(g, -limit, limit), nan), dtype)
+
+
+def operand_scale(config: AdaLossConfig, x_absmax: Array, xp: Any) -> Array:
+    """Per-tensor current scaling of a layer's input or weight for ``config.operand_format``:
+    the factor that maps ``max|x|`` to the format's max, rounded down to a power of two with
+    ``power_of_two``; 1 where ``x`` is all zero or not finite (a non-finite forward is skipped)."""
+    s = _cap(config.operand_limit, x_absmax, xp)
+    s = round_scale(config, s, xp)
+    ok = (x_absmax > 0) & (x_absmax < math.inf)
+    return xp.where(ok, s, xp.ones_like(s))
+
+
 def quantized_fractions(g: Array, q: Array, config: AdaLossConfig, xp: Any) -> tuple[Array, Array, Array]:
     """FP8 telemetry of one cast of ``g`` (as carried) to ``q`` (fp8): the fractions of ``g``'s
     non-zero entries flushed to zero, held below the format's smallest normal (non-zero), and

@@ -11,6 +11,7 @@ backward) are the ops' own arithmetic and do not count.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,10 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jax_adaloss.jaxpr_walk import walk
+
 _GEMMS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
-_SUB = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-        "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-        "custom_vjp_call": "call_jaxpr"}
 
 
 class Fp8Cast(NamedTuple):
@@ -43,38 +43,24 @@ class _Eqn(NamedTuple):
     out_avals: tuple[Any, ...]
 
 
-def _flatten(jaxpr: jcore.Jaxpr, env: dict[Any, int], counter: list[int], out: list[_Eqn]) -> list[int]:
-    """Append ``jaxpr``'s equations to ``out`` with global value ids, inlining calls; returns the
-    ids of its outputs. Loops and conditionals stay one equation (inputs to outputs)."""
-    def read(atom: Any) -> int:
-        if isinstance(atom, jcore.Literal):
-            counter[0] += 1
-            return counter[0]
-        if atom not in env:
-            counter[0] += 1
-            env[atom] = counter[0]
-        return env[atom]
+def _flatten(closed: jcore.ClosedJaxpr) -> list[_Eqn]:
+    """The equations of ``closed``, calls inlined (:func:`jax_adaloss.jaxpr_walk.walk`), each
+    value a global id."""
+    out: list[_Eqn] = []
+    ids = itertools.count()
 
-    for eqn in jaxpr.eqns:
-        ins = [read(a) for a in eqn.invars]
-        key = _SUB.get(eqn.primitive.name)
-        sub = eqn.params.get(key) if key else None
-        if sub is not None:
-            closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, [])
-            inner: dict[Any, int] = dict(zip(closed.jaxpr.invars, ins))
-            results = _flatten(closed.jaxpr, inner, counter, out)
-            for var, r in zip(eqn.outvars, results):
-                env[var] = r
-            continue
-        outs = []
-        for var in eqn.outvars:
-            counter[0] += 1
-            env[var] = counter[0]
-            outs.append(counter[0])
+    def visit(eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+        outs = [next(ids) for _ in eqn.outvars]
         out.append(_Eqn(eqn.primitive.name, tuple(ins), tuple(outs), eqn.params,
                         tuple(getattr(a.aval, "dtype", None) for a in eqn.invars),
                         tuple(v.aval for v in eqn.outvars)))
-    return [read(a) for a in jaxpr.outvars]
+        return outs
+
+    def fresh(_: Any) -> int:
+        return next(ids)
+    jaxpr = closed.jaxpr
+    walk(jaxpr, [next(ids) for _ in jaxpr.constvars], [next(ids) for _ in jaxpr.invars], visit, fresh, fresh)
+    return out
 
 
 def _is_fp8(dtype: Any) -> bool:
@@ -91,8 +77,7 @@ def fp8_casts(fun: Callable[..., Any] | jcore.ClosedJaxpr, *args: Any, **kwargs:
     ``jax.make_jaxpr``; or a ``ClosedJaxpr``), in program order, each with whether its scale
     reads a full reduction of the data it converts (see the module docstring)."""
     closed = fun if isinstance(fun, jcore.ClosedJaxpr) else jax.make_jaxpr(fun)(*args, **kwargs)
-    eqns: list[_Eqn] = []
-    _flatten(closed.jaxpr, {}, [0], eqns)
+    eqns = _flatten(closed)
     producer = {o: k for k, e in enumerate(eqns) for o in e.outs}
     found = []
     for e in eqns:

@@ -145,6 +145,10 @@ class _Tape:
         self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
         self.grad_dtype = jnp.dtype(GRAD_FORMATS[config.grad_format])
         self.fp8 = config.fp8  # layers quantize their incoming cotangent to grad_format
+        # layers quantize their input and weight to operand_format, forward and backward (only
+        # where the backward is adaptive: a reference's tape leaves the forward as it is)
+        self.operands = None if config.operand_format is None or not regions else \
+            jnp.dtype(GRAD_FORMATS[config.operand_format])
         self.weighted_ops = 0  # matmuls/convolutions on the differentiated path
         self.data_path_ops = 0  # of those, with a data operand that needs a gradient
         self.opaque: list[tuple[str, int]] = []  # (primitive, matmuls inside) of opaque regions
@@ -208,10 +212,22 @@ class _Tape:
                 env[var] = s
         return [read(a) for a in jaxpr.outvars]
 
+    def _layer_operands(self, prim: str, ins: list[int]) -> tuple[int, int] | None:
+        """``(weight position, activation position)`` of a matmul/convolution with exactly one
+        operand computed from the weights alone; ``None`` for other equations."""
+        if prim not in _WEIGHTED or len(ins) != (3 if prim == "ragged_dot_general" else 2):
+            return None
+        weights = [i for i in (0, 1) if self.origin[ins[i]] is not None]
+        return (weights[0], 1 - weights[0]) if len(weights) == 1 else None
+
     def _bind(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
         prim = eqn.primitive
         params = prim.get_bind_params(eqn.params)
         vals = [self.values[s] for s in ins]
+        if self.operands is not None and self._layer_operands(prim.name, ins) is not None:
+            # both operands as the fp8 GEMM reads them; the vjp below takes the quantized values
+            # as its inputs, so their cotangents pass the quantization unchanged
+            vals[:2] = [quantized_operand(v, self.config, self.operands) for v in vals[:2]]
 
         def bind(*xs: Any) -> list[Any]:
             out = prim.bind(*xs, **params)
@@ -255,20 +271,25 @@ class _Tape:
         body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
         vals = [self.values[s] for s in ins]
         consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+        needs = [self.needs[s] for s in ins]
+        region = _ScanRegion(body, nc, nk, p["length"], p["reverse"], p["unroll"], vals, [],
+                             [self.origin[s] for s in ins], needs)
         run_body = jcore.jaxpr_as_fun(body)
 
         def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-            out = run_body(*consts, *carry, *x)
+            if self.operands is not None:  # the body's layers quantize as its backward's re-run does
+                sub = _Tape(self.config, regions=True, remat=False)
+                out = [sub.values[k] for k in _body_slots(sub, region, carry, x)[len(vals):]]
+            else:
+                out = run_body(*consts, *carry, *x)
             return list(out[:nk]), (list(out[nk:]), list(carry))
 
         final, (ys, carries) = jax.lax.scan(step, list(init), list(xs), length=p["length"],
                                             reverse=p["reverse"], unroll=p["unroll"])
-        needs = [self.needs[s] for s in ins]
+        region.carries = carries
         origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "scan")
         outs = [self.slot(v, origin, any(needs) and _is_float(jnp.result_type(v)))
                 for v in [*final, *ys]]
-        region = _ScanRegion(body, nc, nk, p["length"], p["reverse"], p["unroll"], vals, carries,
-                             [self.origin[s] for s in ins], needs)
         diff = tuple(i for i, n in enumerate(needs) if n)
         if diff:
             self._survey(region)
@@ -282,8 +303,14 @@ class _Tape:
         body = eqn.params["jaxpr"]
         body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
         vals = [self.values[s] for s in ins]
-        out_vals = jcore.jaxpr_as_fun(body)(*vals)
         needs = [self.needs[s] for s in ins]
+        if self.operands is not None:  # the body's layers quantize as its backward's re-run does
+            sub = _Tape(self.config, regions=True)
+            slots = [sub.slot(v, self.origin[s], n) for v, s, n in zip(vals, ins, needs)]
+            outs = sub.run(body.jaxpr, [sub.slot(c, _CONST, False) for c in body.consts], slots)
+            out_vals = [sub.values[k] for k in outs]
+        else:
+            out_vals = jcore.jaxpr_as_fun(body)(*vals)
         origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "remat")
         outs = [self.slot(v, origin, any(needs) and _is_float(jnp.result_type(v))) for v in out_vals]
         region = _ScanRegion(body, len(vals), 0, 1, False, 1, vals, [],
@@ -316,10 +343,10 @@ class _Tape:
             self.weighted_ops += 1
             if any(o is None and i in node.diff for i, o in enumerate(origins)):
                 self.data_path_ops += 1
-            weights = [i for i in (0, 1) if origins[i] is not None]
-            if len(weights) != 1:
+            operands = self._layer_operands(prim, node.ins)
+            if operands is None:
                 return  # data·data (attention) or weight·weight (a factored weight)
-            w, x = weights[0], 1 - weights[0]
+            w, x = operands
             first = x not in node.diff  # the first layer: its input needs no gradient
             if first and not (self.fp8 and w in node.diff):
                 return
@@ -776,7 +803,7 @@ class _Sweep:
 
     def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
         """A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying ``incoming``)
-        quantized once, saturating (:func:`to_fp8`); both GEMMs read it; the decision
+        quantized once, saturating (:func:`adaloss.solver.to_fp8`); both GEMMs read it; the decision
         (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
         cfg = self.config
         current = cfg.fp8_rule == "current" or not self._is_fitted(incoming)
@@ -785,7 +812,7 @@ class _Sweep:
             r = _settled(fit.scale)
             g, incoming = _rescale(g, r), _settled(incoming * r)
             self._fit(incoming)
-        q = to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit)
+        q = solver.to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit, jnp)
         gq = q.astype(jnp.result_type(g))  # exact: every fp8 value is a 16-bit one
         behind = self._decided_by(incoming)
         q_ext = solver.magnitude_stats(gq, jnp, moments=False)
@@ -974,12 +1001,16 @@ def _stored(x: Any) -> Any:
     return jnp.sum(x.astype(_F32)[..., None] * jnp.array(split, _F32), axis=-1).astype(dtype)
 
 
-def to_fp8(g: Any, dtype: Any, limit: float) -> Any:
-    """``g`` quantized to the fp8 ``dtype``, finite entries clipped to ``±limit`` (its max)
-    first: a cast never makes inf or NaN (JAX's e4m3fn cast gives NaN beyond ~464, e5m2's inf
-    beyond ~61440); an inf or NaN entry stays non-finite, so that the step is skipped."""
-    clipped = jnp.clip(g, -limit, limit)
-    return jnp.where(jnp.isinf(g), g, clipped).astype(dtype)
+def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
+    """A layer's input or weight as an fp8 GEMM reads it: quantized to ``dtype``
+    (``config.operand_format``) at its own per-tensor scale (:func:`adaloss.solver.operand_scale`,
+    saturating) and converted back to ``x``'s dtype, exactly. Other inputs (integers: a ragged
+    dot's group sizes) are returned unchanged."""
+    if not _is_float(jnp.result_type(x)):
+        return x
+    s = solver.operand_scale(config, jnp.max(jnp.abs(x)).astype(_F32), jnp)
+    q = solver.to_fp8(x.astype(_F32) * s, dtype, config.operand_limit, jnp)
+    return (q.astype(_F32) / s).astype(jnp.result_type(x))
 
 
 def _any(flags: list[Any]) -> Any:

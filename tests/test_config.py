@@ -16,7 +16,8 @@ from adaloss.config import UNBOUNDED
     ("model", "mean"), ("grad_format", "float32"), ("layer_bound", 0.5),
     ("accum_bound", float("inf")), ("init_scale", -1.0), ("update_every", 0),
     ("update_every", 2.0), ("relu_fraction", 0.0), ("u_min", -1.0), ("power_of_two", 1),
-    ("saturation", 0.0), ("fp8_rule", "delayed"),
+    ("saturation", 0.0), ("fp8_rule", "delayed"), ("operand_format", "float16"),
+    ("operand_format", "float8_e4m3fn"),  # with the default fp16 grad_format
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"AdaLossConfig\.{field} must be"):

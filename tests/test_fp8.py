@@ -19,8 +19,8 @@ from models import make_case, xent
 
 import jax_adaloss
 from adaloss import AdaLossConfig, format_limits, solver
+from adaloss_zoo.fp8_delayed import placed
 from jax_adaloss.audit import fp8_casts
-from jax_adaloss.backward import to_fp8
 
 FORMATS = ("float8_e5m2", "float8_e4m3fn")
 
@@ -60,12 +60,18 @@ def test_limits_come_from_the_fp8_format(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_cast_never_makes_inf_or_nan_and_keeps_them(fmt):
-    dtype = jnp.dtype(getattr(ml_dtypes, fmt))
+    torch = pytest.importorskip("torch")
+    from torch_bridge._xp import xp as torch_xp
     limit = format_limits(fmt).u_max
-    g = jnp.array([1e6, -1e6, 500.0, -70000.0, 1.0, 0.0, jnp.inf, jnp.nan], jnp.float32)
-    q = np.asarray(to_fp8(g, dtype, limit).astype(jnp.float32))
-    assert q[0] == limit and q[1] == -limit and np.all(np.abs(q[2:4]) <= limit) and q[4] == 1.0
-    assert np.isfinite(q[:6]).all() and not np.isfinite(q[6:]).any()
+    values = [1e6, -1e6, 500.0, -70000.0, 1.0, 0.0, np.inf, -np.inf, np.nan]
+    got = {"jax": np.asarray(solver.to_fp8(jnp.array(values, jnp.float32), jnp.dtype(getattr(ml_dtypes, fmt)),
+                                           limit, jnp).astype(jnp.float32)),
+           # torch's e4m3fn cast saturates inf to 448: a skipped step must not become a finite one
+           "torch": solver.to_fp8(torch.tensor(values, dtype=torch.bfloat16), getattr(torch, fmt), limit,
+                                  torch_xp).float().numpy()}
+    for q in got.values():
+        assert q[0] == limit and q[1] == -limit and np.all(np.abs(q[2:4]) <= limit) and q[4] == 1.0
+        assert np.isfinite(q[:6]).all() and not np.isfinite(q[6:]).any()
 
 
 def test_the_decision_is_the_largest_power_of_two_within_the_saturation_budget():
@@ -152,6 +158,48 @@ def test_saturation_lowers_the_lift_and_training_skips_nothing():
     assert int(optax.tree.get(s, "skipped")) == 0 and losses[-1] < losses[0]
 
 
+def test_operands_are_read_in_fp8_by_every_gemm_forward_and_backward():
+    """``operand_format``: each layer's input and weight quantized to e4m3 at their own power of
+    two, read by the forward GEMM and both backward GEMMs, the gradient passed straight through:
+    the same loss and gradients, bitwise, as the model with a quantize-dequantize written by
+    hand (log2, a straight-through ``custom_vjp``) on each layer's operands."""
+    cls, params, x, y = _case("mlp")
+
+    def q(v):
+        a = jnp.max(jnp.abs(v.astype(jnp.float32)))
+        s = jnp.exp2(jnp.floor(jnp.log2(448.0 / a)))
+        q8 = jnp.clip(v.astype(jnp.float32) * s, -448, 448).astype(jnp.float8_e4m3fn)
+        return (q8.astype(jnp.float32) / s).astype(v.dtype)
+
+    @jax.custom_vjp
+    def ste(v):
+        return q(v)
+    ste.defvjp(lambda v: (q(v), None), lambda _, g: (g,))
+    loss = _loss(cls, jnp.bfloat16)
+
+    def by_hand(p, x, y):
+        return placed(lambda p: loss(p, x, y), p, lambda role, v: v if role == "output_grad" else ste(v))
+
+    def run(f, cfg):
+        vg = jax_adaloss.value_and_grad(f, config=cfg)
+        value, g = jax.jit(lambda p: vg(p, x, y, adaloss_state=None))(params)
+        # the hand-written rule's transpose narrows the fp32 weight gradients to bf16
+        return value, jax.tree.map(lambda a: a.astype(jnp.bfloat16), jax_adaloss.unscale_tree(g))
+    got = run(loss, AdaLossConfig(grad_format="float8_e5m2", operand_format="float8_e4m3fn"))
+    want = run(by_hand, AdaLossConfig(grad_format="float8_e5m2"))
+    plain = run(loss, AdaLossConfig(grad_format="float8_e5m2"))
+    assert float(got[0]) != float(plain[0])
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    casts = fp8_casts(lambda p: jax_adaloss.value_and_grad(loss, config=AdaLossConfig(
+        grad_format="float8_e5m2", operand_format="float8_e4m3fn"))(p, x, y, adaloss_state=None), params)
+    assert [c.dtype for c in casts].count("float8_e4m3fn") == 6  # one per operand, not again backward
+    torch = pytest.importorskip("torch")
+    import torch_bridge
+    with pytest.raises(NotImplementedError, match="jax_adaloss only"):
+        torch_bridge.AdaLossScaler(torch.nn.Linear(2, 2), AdaLossConfig(grad_format="float8_e5m2",
+                                                                        operand_format="float8_e4m3fn"))
+
+
 def test_torch_nodes_receive_fp8_values_at_the_decided_scale():
     """The bridge's pre-hook hands each Linear node its fp8-quantized cotangent times the
     decision's scale (a later pre-hook on the node sees it): every entry has at most the format's
@@ -196,12 +244,13 @@ def test_torch_nodes_receive_fp8_values_at_the_decided_scale():
 
 def test_a_scanned_stack_quantizes_as_the_unrolled_one():
     """``nn.scan`` over remat blocks: the per-iteration fp8 decisions and the gradients are
-    bitwise those of the unrolled loop (the carry's scale stays fitted across iterations)."""
+    bitwise those of the unrolled loop (the carry's scale stays fitted across iterations), with
+    the layers' operands quantized too (the scan's and the remat region's forward included)."""
     import test_scan as ts
 
     from jax_adaloss.scaled_grad import unscale_tree
 
-    cfg = AdaLossConfig(grad_format="float8_e5m2")
+    cfg = AdaLossConfig(grad_format="float8_e5m2", operand_format="float8_e4m3fn")
 
     def run(model, params, x):
         def loss(p):
@@ -210,8 +259,9 @@ def test_a_scanned_stack_quantizes_as_the_unrolled_one():
                                                                                        adaloss_state=None)
     x = ts._x()
     ps = ts._LinenLM(True).init(jax.random.key(0), x)
-    (_, g_s), r_s = run(ts._LinenLM(True), ps, x)
-    (_, g_u), r_u = run(ts._LinenLM(False), ts._unstack(ps), x)
+    (l_s, g_s), r_s = run(ts._LinenLM(True), ps, x)
+    (l_u, g_u), r_u = run(ts._LinenLM(False), ts._unstack(ps), x)
+    assert float(l_s) == float(l_u)
     for name in ("Dense_0", "Dense_1"):
         stacked = r_s.layers[f"params/blocks/{name}/kernel"]
         unrolled = [r_u.layers[f"params/b{i}/{name}/kernel"] for i in range(ts.L)]

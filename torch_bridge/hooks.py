@@ -213,12 +213,6 @@ def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
 
 
-def to_fp8(g: torch.Tensor, dtype: torch.dtype, limit: float) -> torch.Tensor:
-    """``g`` quantized to the fp8 ``dtype``, finite entries clipped to ``±limit`` (its max) first:
-    a cast never makes inf or NaN; an inf or NaN entry stays non-finite (the step is skipped)."""
-    return torch.where(torch.isinf(g), g, g.clamp(-limit, limit)).to(dtype)
-
-
 class ScaledBackward:
     """Hooks on every node of one planned graph; state of the pass in progress.
 
@@ -632,7 +626,7 @@ class ScaledBackward:
 
     def _layer_fp8(self, p: NodePlan, go: list[Any]) -> None:
         """A layer (or first layer) with an fp8 ``grad_format``: the incoming cotangent (carrying
-        ``P``) quantized once, saturating (:func:`to_fp8`), and handed to the node times the
+        ``P``) quantized once, saturating (:func:`adaloss.solver.to_fp8`), and handed to the node times the
         decision's scale (:func:`adaloss.solver.fp8_layer_scale`): both its GEMMs read the fp8
         values. Where no decision fitted ``P`` to the format (the first cast after the loss),
         or with ``fp8_rule="current"``, it is fitted to the tensor's own ``max|g|`` first."""
@@ -645,7 +639,7 @@ class ScaledBackward:
         if current:
             fit = solver.fp8_fit_scale(cfg, self.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, self.bo)
             g, incoming = self._rescale(g, fit.scale), incoming * fit.scale
-        q = to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit)
+        q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
         gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
         q_absmax = gq.abs().amax().to(_F32)
         fractions = solver.quantized_fractions(g, q, cfg, xp)

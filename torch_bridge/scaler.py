@@ -88,6 +88,13 @@ class AdaLossScaler:
         config = AdaLossConfig() if config is None else config
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+        if config.operand_format is not None:
+            raise NotImplementedError(
+                f"AdaLossConfig.operand_format={config.operand_format!r} (fp8 layer inputs and weights) "
+                "is implemented in jax_adaloss only: the bridge sees a module's graph after its forward "
+                "has run. Leave operand_format=None (the gradients are still stored in "
+                f"{config.grad_format}), or quantize the forward with torchao's "
+                "convert_to_float8_training (whose gradient casts are per-tensor current scaling).")
         self._model = model
         self._config = config
         self._enabled = bool(enabled)
