@@ -126,8 +126,9 @@ class AdaLossConfig:
         derivatives leave more tiny entries than a normal distribution has. Off in
         :meth:`authors_preset`. With an fp8 ``grad_format`` the measured fraction is the one
         *saturated* at the format's max (over ``saturation``), and the exponent moves both ways
-        (``-MAX_LIFT..MAX_LIFT``): down while more than half of ``saturation`` saturates, up
-        while none does and more than ``T/2`` is below the smallest normal.
+        (``-MAX_LIFT..MAX_LIFT``): down, in one step, by the powers of two the saturated fraction
+        says the scale overshot, while more than ``saturation`` saturates; up by one while none
+        does and more than ``T/2`` is below the smallest normal.
       saturation: ``T_sat``, fp8 formats only: the largest fraction of a layer's output
         cotangent (modelled as normal) that its decision lets exceed the format's max, where
         the cast saturates. The decision is the largest power of two allowed: under the

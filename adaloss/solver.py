@@ -406,16 +406,23 @@ def quantized_fractions(g: Array, q: Array, config: AdaLossConfig, xp: Any) -> t
 
 
 def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturated: Array,
-               q_absmax: Array, xp: Any) -> Array:
+               q_absmax: Array, erfinv: Callable[[Array], Array], xp: Any) -> Array:
     """What one fp8 cast reports to the decisions that set its scale (:func:`lift_update`):
-    ``−(1 + saturated / T_sat)`` (negative: lower the lift) where more than ``T_sat`` of the
-    entries saturated; else the fraction below the smallest normal over ``T`` where the
-    quantized tensor has room to double below the max (``2·max|q| ≤ u_max``: no entry would
-    saturate), 0 where it has none."""
+    where more than ``T_sat`` of the entries saturated, ``−b`` (negative: lower the lift by
+    ``b``), the powers of two by which the normal model says the scale overshot: the measured
+    tail puts the format's max at ``z = √2·erfinv(1 − saturated)`` standard deviations, the
+    decision meant ``z_sat``, so ``b = ceil(log2(z_sat / z))``, at least 1 and at most
+    :data:`MAX_LIFT` (one step, not one power of two per step: a norm's backward between the
+    decision and the cast may amplify its output many times). Else the fraction below the
+    smallest normal over ``T`` where the quantized tensor has room to double below the max
+    (``2·max|q| ≤ u_max``: no entry would saturate), 0 where it has none."""
     sat = saturated / config.saturation
+    z = erfinv(1.0 - saturated) * math.sqrt(2.0)
+    over = saturating_quotient(config.z_saturation, z, xp)
+    drop = xp.clip(xp.ceil(xp.log2(over)), 1.0, float(MAX_LIFT))
     room = q_absmax * 2.0 <= config.overflow_limit
     under = xp.where(room, (flushed + subnormal) / config.threshold, xp.zeros_like(sat))
-    return xp.where(sat > 1.0, -(1.0 + sat), under)
+    return xp.where(sat > 1.0, -drop, under)
 
 
 def combine_signals(config: AdaLossConfig, a: Array, b: Array, xp: Any) -> Array:
@@ -545,14 +552,16 @@ def lift_update(config: AdaLossConfig, k: Array, ratio: Array, finite: Array, xp
     cotangents the decision scaled) exceeds :data:`LIFT_AIM` (``T/2``),
     ``-1`` (not below 0) when it is below ``LIFT_AIM / LIFT_BAND`` (``T/32``); unchanged on a step with a
     non-finite gradient (the back-off answers those) or without ``config.underflow_feedback``.
-    With an fp8 ``grad_format`` (``ratio`` from :func:`fp8_signal`): ``-1`` (not below
-    ``-MAX_LIFT``) after a saturation (``ratio < 0``), ``+1`` above ``LIFT_AIM``, else unchanged.
+    With an fp8 ``grad_format`` (``ratio`` from :func:`fp8_signal`): ``ratio`` itself (not below
+    ``-MAX_LIFT``) after a saturation (``ratio < 0``: the powers of two it overshot), ``+1``
+    above ``LIFT_AIM``, else unchanged.
     On device: ``k`` is an int32 0-d array."""
     if not config.underflow_feedback:
         return k
     up = xp.minimum(k + 1, xp.full_like(k, MAX_LIFT))
     if config.fp8:  # fp8_signal: negative after saturation
-        down = xp.maximum(k - 1, xp.full_like(k, -MAX_LIFT))
+        down = xp.maximum(k + xp.astype(xp.minimum(ratio, xp.zeros_like(ratio)), k.dtype),
+                          xp.full_like(k, -MAX_LIFT))
         new = xp.where(ratio < 0, down, xp.where(ratio > LIFT_AIM, up, k))
         return xp.where(finite, new, k)
     down = xp.maximum(k - 1, xp.zeros_like(k))

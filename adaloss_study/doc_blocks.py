@@ -216,10 +216,9 @@ def skips(docs: Path) -> str:
 
 
 def fp8(docs: Path) -> str:
-    """The FP8 benchmark (``docs/fp8.json``): the summary, then the table."""
-    from adaloss_zoo.fp8_tables import summary, table
-    rows = _json(docs, "fp8.json")["rows"]
-    return "\n".join(summary(rows)) + "\n\n" + table(rows)
+    """The FP8 benchmark (``docs/fp8.json``): its summaries and tables."""
+    from adaloss_zoo.fp8_tables import section
+    return "\n".join(section(_json(docs, "fp8.json"))).rstrip("\n")
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {

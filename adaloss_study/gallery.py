@@ -226,19 +226,18 @@ FP8_COMMAND = "python benchmarks/fp8.py"
 
 
 def _fp8_benchmark(path: Path) -> list[str]:
-    """The FP8 benchmark's table and summary, from its JSON (if it was run)."""
+    """The FP8 benchmark's tables and summaries, from its JSON (if it was run)."""
     if not path.exists():
         return []
-    from adaloss_zoo.fp8_tables import summary, table
+    from adaloss_zoo.fp8_tables import section
 
-    rows = json.loads(path.read_text())["rows"]
     return ["## FP8 gradients on the model zoo: one backward per model, format and loss factor", "",
             f"```\n{FP8_COMMAND}\n```", "",
-            "The JAX zoo with a bf16 forward; median per-parameter error against the same forward's "
-            "fp32 backward at loss ×1, the mean over two initialisations and batches. Methods in the "
-            "benchmark's docstring; `own max / casts`: the casts whose scale reads a full reduction "
-            "of the tensor they convert (a second pass over it), for adaloss and current scaling.",
-            "", *summary(rows), "", table(rows), ""]
+            "The JAX and PyTorch zoos with a bf16 forward; median per-parameter error against the same "
+            "forward's fp32 backward at loss ×1, the mean over two initialisations and batches. Methods "
+            "in the benchmark's docstring; `own max / casts`: the casts whose scale reads a full "
+            "reduction of the tensor they convert (a second pass over it), for adaloss and current "
+            "scaling.", "", *section(json.loads(path.read_text()))]
 
 
 def _benchmark(path: Path, section: Any) -> list[str]:

@@ -1,66 +1,87 @@
-"""The FP8 benchmark's rows (``benchmarks/fp8.py --json``) as Markdown: the table and a summary
-computed from it (no number on the page is typed by hand)."""
+"""The FP8 benchmark's rows (``benchmarks/fp8.py --json``) as Markdown: tables and summaries
+computed from them (no number on the page is typed by hand)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 Row = dict[str, Any]
 
-#: the methods of a row, in the table's order (each a ``{"median", "worst"}`` mean over seeds)
+#: the JAX gradient-only methods of a row, in the table's order (each a ``{"median", "worst"}``
+#: mean over seeds)
 COLUMNS = ("adaloss", "current", "current exact", "cast-only", "delayed-16 cold", "delayed-16",
            "adaloss spike", "delayed-16 spike", "delayed-16 after")
+#: the decision rule's alternatives, against current scaling (the rule table)
+RULES = ("adaloss", "adaloss exact", "adaloss T_sat=1e-2", "adaloss T_sat=1e-6", "current exact")
+#: end to end: every GEMM fp8 × fp8 (the layers' inputs and weights in e4m3)
+E2E_COLUMNS = ("adaloss e2e", "current e2e", "Fp8DotGeneralOp cold", "Fp8DotGeneralOp")
+TORCH_COLUMNS = ("adaloss", "current", "torchao tensorwise", "torchao rowwise")
+TOL = 0.01
 
 
 def fmt(x: float) -> str:
     return "nan" if not np.isfinite(x) else f"{x:.4f}"
 
 
-def table(rows: list[Row]) -> str:
-    """Median per-parameter error by method (mean over seeds), then adaloss's casts that read
-    their own max against current scaling's, and adaloss's largest saturated and flushed
-    fractions over the seeds."""
-    head = ["model", "forward", "grads", "loss ×", *COLUMNS, "own max / casts (adaloss, current)",
-            "saturated", "flushed"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        a, c = r["runs"][0]["adaloss"], r["runs"][0]["current"]
-        sat = max(run["adaloss"]["saturated"] for run in r["runs"])
-        flushed = max(run["adaloss"]["flushed"] for run in r["runs"])
-        cells = [r["model"], r["dtype"], r["format"].removeprefix("float8_"), f"{r['factor']:g}",
-                 *(fmt(r[k]["median"]) for k in COLUMNS),
-                 f"{a['own_max']}/{a['casts']}, {c['own_max']}/{c['casts']}", f"{sat:.1e}", f"{flushed:.1e}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def _med(r: Row, k: str) -> float:
+    v = r[k]["median"]
+    return v if np.isfinite(v) else float("inf")
 
 
-def _count(rows: list[Row], better: Any) -> int:
+def _count(rows: list[Row], better: Callable[[Row], bool]) -> int:
     return sum(1 for r in rows if better(r))
 
 
-def summary(rows: list[Row], tol: float = 0.01) -> list[str]:
-    """Sentences on the rows: adaloss against current scaling (within ``tol``, relative), against
-    delayed scaling cold, warm and after a spike."""
-    def med(r: Row, k: str) -> float:
-        v = r[k]["median"]
-        return v if np.isfinite(v) else float("inf")
+def _grid(rows: list[Row], columns: tuple[str, ...], extra: tuple[str, ...] = (),
+          cells: Callable[[Row], list[str]] = lambda r: []) -> str:
+    head = ["model", "forward", "grads", "loss ×", "logits ×", *columns, *extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        row = [r["model"], r["dtype"], r["format"].removeprefix("float8_"), f"{r['factor']:g}",
+               f"{r.get('logits', 1.0):g}",
+               *(fmt(r[k]["median"]) for k in columns), *cells(r)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
+
+def _fractions(r: Row) -> list[str]:
+    sat = max(run["adaloss"]["saturated"] for run in r["runs"])
+    flushed = max(run["adaloss"]["flushed"] for run in r["runs"])
+    return [f"{sat:.1e}", f"{flushed:.1e}"]
+
+
+def table(rows: list[Row]) -> str:
+    """JAX, gradients only: median per-parameter error by method (mean over seeds), then
+    adaloss's casts that read their own max against current scaling's, and adaloss's largest
+    saturated and flushed fractions over the seeds."""
+    def cells(r: Row) -> list[str]:
+        a, c = r["runs"][0]["adaloss"], r["runs"][0]["current"]
+        return [f"{a['own_max']}/{a['casts']}, {c['own_max']}/{c['casts']}", *_fractions(r)]
+    return _grid(rows, COLUMNS, ("own max / casts (adaloss, current)", "saturated", "flushed"), cells)
+
+
+def summary(rows: list[Row], tol: float = TOL) -> list[str]:
+    """Sentences on the JAX rows: adaloss against current scaling (within ``tol``, relative),
+    against delayed scaling cold, warm and after a spike."""
     n = len(rows)
-    ties = _count(rows, lambda r: med(r, "adaloss") <= med(r, "current") * (1 + tol))
-    cold = _count(rows, lambda r: med(r, "adaloss") < med(r, "delayed-16 cold"))
-    warm = _count(rows, lambda r: med(r, "adaloss") <= med(r, "delayed-16") * (1 + tol))
-    spike = _count(rows, lambda r: med(r, "adaloss spike") < med(r, "delayed-16 spike"))
-    after = _count(rows, lambda r: med(r, "adaloss") <= med(r, "delayed-16 after") * (1 + tol))
+    ties = _count(rows, lambda r: _med(r, "adaloss") <= _med(r, "current") * (1 + tol))
+    cold = _count(rows, lambda r: _med(r, "adaloss") < _med(r, "delayed-16 cold"))
+    warm = _count(rows, lambda r: _med(r, "adaloss") <= _med(r, "delayed-16") * (1 + tol))
+    spike = _count(rows, lambda r: _med(r, "adaloss spike") < _med(r, "delayed-16 spike"))
+    after = _count(rows, lambda r: _med(r, "adaloss") <= _med(r, "delayed-16 after") * (1 + tol))
+    after_lower = _count(rows, lambda r: _med(r, "adaloss") < _med(r, "delayed-16 after"))
     nan = _count(rows, lambda r: not np.isfinite(r["delayed-16 cold"]["median"]))
-    exact = _count(rows, lambda r: med(r, "current exact") < med(r, "current") * (1 - tol))
+    exact = _count(rows, lambda r: _med(r, "current exact") < _med(r, "current") * (1 - tol))
+    one = _count(rows, lambda r: abs(_med(r, "cast-only") - _med(r, "adaloss")) <= tol * _med(r, "adaloss"))
     own = sorted({(r["runs"][0]["adaloss"]["own_max"], r["runs"][0]["adaloss"]["casts"]) for r in rows})
     worst_sat = max(run["adaloss"]["saturated"] for r in rows for run in r["runs"])
     return [
         f"- **against current scaling**: adaloss's median error within {tol:.0%} of it or lower on "
         f"{ties} of {n} rows (median ratio "
-        f"{np.median([med(r, 'adaloss') / med(r, 'current') for r in rows]):.3f}).",
+        f"{np.median([_med(r, 'adaloss') / _med(r, 'current') for r in rows]):.3f}).",
         f"- **against delayed scaling at step 0** (scale 1, empty history): lower on {cold} of {n} rows"
         + (f"; the delayed backward is NaN on {nan} (flax computes its scale in the model's dtype: "
            "fp16 flushes it to zero)." if nan else "."),
@@ -71,11 +92,128 @@ def summary(rows: list[Row], tol: float = 0.01) -> list[str]:
         "cotangent's target entries, carry much of the norm, and an exact scale represents the largest "
         "exactly); adaloss's scales are powers of two.",
         f"- **one scale for the whole backward** (`cast-only`): within {tol:.0%} of adaloss on "
-        f"{_count(rows, lambda r: abs(med(r, 'cast-only') - med(r, 'adaloss')) <= tol * med(r, 'adaloss'))} "
-        f"of {n} rows: at these depths and at initialisation one scale fits every layer's range.",
+        f"{one} of {n} rows: at these depths and at initialisation one scale fits every layer's range.",
         f"- **a spike** (one step at the loss ×1000 after those 16): lower on {spike} of {n} rows; "
-        f"the step after it: within {tol:.0%} or lower on {after} of {n}.",
+        f"the ten steps after it (the spike's amax still in the history): lower on {after_lower}, within "
+        f"{tol:.0%} or lower on {after} of {n}.",
         "- **casts that read their own max** (a second pass over the tensor) out of the casts per "
         "backward, adaloss: " + ", ".join(f"{o}/{c}" for o, c in own) + "; current scaling: all of "
         f"them. Largest saturated fraction of any adaloss cast: {worst_sat:.1e}.",
     ]
+
+
+def rule_table(rows: list[Row], tol: float = TOL) -> str:
+    """The decision rule against its alternatives, per gradient format: the median over the rows
+    of each one's error over current scaling's, and on how many rows it is more than ``tol``
+    better or worse than current scaling."""
+    lines = ["| grads | rule | error / current's (median) | better (rows) | worse (rows) |",
+             "|---|---|---|---|---|"]
+    for fmt_name in dict.fromkeys(r["format"] for r in rows):
+        sub = [r for r in rows if r["format"] == fmt_name]
+        for k in RULES:
+            ratios = [_med(r, k) / _med(r, "current") for r in sub]
+            better = sum(q < 1 - tol for q in ratios)
+            worse = sum(q > 1 + tol for q in ratios)
+            lines.append(f"| {fmt_name.removeprefix('float8_')} | {k} | {np.median(ratios):.3f} | "
+                         f"{better} of {len(sub)} | {worse} of {len(sub)} |")
+    return "\n".join(lines)
+
+
+def e2e_table(rows: list[Row]) -> str:
+    """End to end (every GEMM fp8 × fp8): adaloss and current scaling with e4m3 operands against
+    flax's ``Fp8DotGeneralOp`` pattern, cold and warmed."""
+    return _grid(rows, E2E_COLUMNS)
+
+
+def e2e_summary(rows: list[Row], tol: float = TOL) -> list[str]:
+    n = len(rows)
+    cur = _count(rows, lambda r: _med(r, "adaloss e2e") <= _med(r, "current e2e") * (1 + tol))
+    cold = _count(rows, lambda r: _med(r, "adaloss e2e") < _med(r, "Fp8DotGeneralOp cold"))
+    warm = _count(rows, lambda r: _med(r, "adaloss e2e") <= _med(r, "Fp8DotGeneralOp") * (1 + tol))
+    share = np.median([_med(r, "adaloss") / _med(r, "adaloss e2e") for r in rows])
+    return [
+        f"- **end to end** (inputs and weights in e4m3 too): adaloss within {tol:.0%} of current "
+        f"scaling or lower on {cur} of {n} rows; lower than `Fp8DotGeneralOp` at step 0 on {cold} of "
+        f"{n}, within {tol:.0%} of it warmed or lower on {warm} of {n}. The gradient casts alone give "
+        f"{share:.2f}× the end-to-end error (median): the operands' e4m3 quantization dominates."]
+
+
+def rule_summary(rows: list[Row], tol: float = TOL) -> list[str]:
+    def best(k: str) -> int:
+        return _count(rows, lambda r: _med(r, k) < _med(r, "adaloss") * (1 - tol))
+    n = len(rows)
+    return [
+        f"- **the decision rule's alternatives**: more than {tol:.0%} lower than adaloss's default on "
+        + ", ".join(f"{k.removeprefix('adaloss ')} {best(k)} of {n} rows" for k in RULES[1:]) + "."]
+
+
+def torch_table(rows: list[Row]) -> str:
+    """PyTorch (bf16 autocast): adaloss and current scaling through the bridge (gradients only)
+    against torchao's float8 training (its forward quantized too)."""
+    def cells(r: Row) -> list[str]:
+        skipped = max(run["adaloss"]["skipped"] for run in r["runs"])
+        return [*_fractions(r), str(skipped)]
+    return _grid(rows, TORCH_COLUMNS, ("saturated", "flushed", "skipped"), cells)
+
+
+def torch_summary(rows: list[Row], tol: float = TOL) -> list[str]:
+    n = len(rows)
+    ties = _count(rows, lambda r: _med(r, "adaloss") <= _med(r, "current") * (1 + tol))
+    tao = {k: _count(rows, lambda r, k=k: _med(r, "adaloss") < _med(r, k))
+           for k in TORCH_COLUMNS[2:]}
+    return [
+        f"- **PyTorch, against current scaling**: adaloss within {tol:.0%} or lower on {ties} of {n} "
+        "rows (median ratio "
+        f"{np.median([_med(r, 'adaloss') / _med(r, 'current') for r in rows]):.3f}); lower than "
+        + ", ".join(f"{k} on {v} of {n}" for k, v in tao.items())
+        + " (torchao's error includes its forward's e4m3 quantization; adaloss's forward is bf16 here)."]
+
+
+def cost_table(costs: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Per JAX model, each method's e5m2 backward against ``jax.value_and_grad``'s: XLA's bytes
+    accessed (a machine-independent count of the passes over memory) and this CPU's time."""
+    methods = list(next(iter(costs.values())))[1:]
+    lines = ["| model | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for model, c in costs.items():
+        base = c["jax.value_and_grad"]
+        cells = [f"{c[m]['bytes'] / base['bytes']:.2f}× ({c[m]['ms'] / base['ms']:.2f}×)" for m in methods]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_summary(costs: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    def ratios(m: str) -> list[float]:
+        return [c[m]["bytes"] / c["jax.value_and_grad"]["bytes"] for c in costs.values()]
+
+    def span(m: str) -> str:
+        return f"{min(ratios(m)):.2f}–{max(ratios(m)):.2f}×"
+    return [
+        f"- **what the scales cost** (bytes XLA's compiled backward accesses, over `jax.value_and_grad`'s "
+        f"without quantization): adaloss {span('adaloss')} (without the underflow feedback's fractions "
+        f"{span('adaloss, no feedback')}), current scaling {span('current')}, flax's delayed scaling "
+        f"{span('delayed-16')}. The feedback's fractions read each cast's input and output once more; "
+        "the rest is the backward's own bookkeeping (merges, stored cotangents), which current scaling "
+        "shares."]
+
+
+def section(data: dict[str, Any]) -> list[str]:
+    """Every table and summary of a ``docs/fp8.json``: the JAX gradient casts, the decision
+    rule's alternatives, end to end, PyTorch."""
+    rows, trows = data["rows"], data.get("torch_rows", [])
+    parts: list[str] = []
+    if rows:
+        parts += [*summary(rows), "", table(rows), ""]
+        if "adaloss exact" in rows[0]:
+            parts += ["### The decision rule against its alternatives", "", *rule_summary(rows), "",
+                      rule_table(rows), ""]
+        if "adaloss e2e" in rows[0]:
+            parts += ["### End to end: inputs and weights in e4m3 too", "", *e2e_summary(rows), "",
+                      e2e_table(rows), ""]
+    if data.get("costs"):
+        parts += ["### What choosing the scales costs", "", *cost_summary(data["costs"]), "",
+                  "Bytes accessed (time on this CPU, " + str(data.get("machine", "")) + "), over "
+                  "`jax.value_and_grad`'s, e5m2, loss ×1:", "", cost_table(data["costs"]), ""]
+    if trows:
+        parts += ["### PyTorch: the bridge against torchao", "", *torch_summary(trows), "",
+                  torch_table(trows), ""]
+    return parts

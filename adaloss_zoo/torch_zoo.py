@@ -13,6 +13,7 @@ rounding.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import re
 import warnings
@@ -192,25 +193,25 @@ def _output_layer(model: torch.nn.Module) -> torch.nn.Module:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
 
 
-def _forward(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float, seed: int
-             ) -> torch.Tensor:
+def _forward(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float, seed: int,
+             dtype: torch.dtype = _AUTOCAST) -> torch.Tensor:
     torch.manual_seed(seed)  # the same dropout masks in every run
     model.zero_grad(set_to_none=True)
     k = _LOGITS[-1]
     handle = None if k == 1.0 else _output_layer(model).register_forward_hook(
         lambda mod, args, out: out.float() * k)
     try:
-        with torch.autocast("cpu", dtype=_AUTOCAST):
+        with torch.autocast("cpu", dtype=dtype):
             return factor * case.loss(model, batch)
     finally:
         if handle is not None:
             handle.remove()
 
 
-def reference_grads(case: TorchCase, model: torch.nn.Module, batch: Any, seed: int = 0
-                    ) -> dict[str, np.ndarray]:
-    """The same fp16 forward's loss-×1 gradients (no scaling): the reference."""
-    _forward(case, model, batch, 1.0, seed).backward()
+def reference_grads(case: TorchCase, model: torch.nn.Module, batch: Any, seed: int = 0,
+                    dtype: torch.dtype = _AUTOCAST) -> dict[str, np.ndarray]:
+    """The same fp16 (``dtype``) forward's loss-×1 gradients (no scaling): the reference."""
+    _forward(case, model, batch, 1.0, seed, dtype).backward()
     return _grads(model, 1.0)
 
 
@@ -226,17 +227,18 @@ class RunResult:
 
 
 def run_adaloss(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float,
-                config: AdaLossConfig | None = None, seed: int = 0, max_tries: int = 32) -> RunResult:
+                config: AdaLossConfig | None = None, seed: int = 0, max_tries: int = 32,
+                dtype: torch.dtype = _AUTOCAST) -> RunResult:
     """:class:`torch_bridge.AdaLossScaler` on repeated backward passes of the same batch until
     one is finite (its back-off lowers the decisions after each), as :func:`run_gradscaler`;
-    gradients unscaled by ``unscale_``, and the passes skipped before."""
+    gradients unscaled by ``unscale_``, and the passes skipped before (``dtype``: autocast's)."""
     import torch_bridge
     scaler = torch_bridge.AdaLossScaler(model, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(max_tries):
-            scaler.scale(_forward(case, model, batch, factor, seed)).backward()
+            scaler.scale(_forward(case, model, batch, factor, seed, dtype)).backward()
             scaler.unscale_(opt)
             grads = _grads(model, factor)
             finite = all(np.isfinite(g).all() for g in grads.values())
@@ -246,6 +248,21 @@ def run_adaloss(case: TorchCase, model: torch.nn.Module, batch: Any, factor: flo
                 break
     return RunResult(grads, skipped=scaler.skipped_steps, layers=scaler.layer_reports(),
                      coverage=scaler.coverage(), warnings=[str(w.message) for w in caught])
+
+
+def run_torchao(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float, recipe: str,
+                seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> RunResult:
+    """torchao's float8 training on a copy of ``model``: ``convert_to_float8_training`` with the
+    ``recipe`` (``tensorwise``: e4m3 inputs and weights, e5m2 output gradients, each at its own
+    amax; ``rowwise``: e4m3 for all three, per row, powers of two) and ``emulate=True`` (no FP8
+    GEMM on this machine: the same quantized values in a wide matmul); one backward under
+    ``dtype`` autocast, the loss × ``factor``. Its ``nn.Linear`` layers only (GPT-2's
+    ``Conv1D``, convolutions and grouped expert matmuls stay in ``dtype``)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    converted = convert_to_float8_training(copy.deepcopy(model), config=config)
+    _forward(case, converted, batch, factor, seed, dtype).backward()
+    return RunResult(_grads(converted, factor))
 
 
 def train(case: TorchCase, factor: float, steps: int, dynamic: bool = False,

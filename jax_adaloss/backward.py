@@ -801,28 +801,45 @@ class _Sweep:
             held = _any([self.limited[n] for n in sorted(behind)])
             self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
 
-    def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
-        """A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying ``incoming``)
-        quantized once, saturating (:func:`adaloss.solver.to_fp8`); both GEMMs read it; the decision
-        (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
+    def _fit_current(self, g: Any, incoming: Any) -> tuple[Any, Any]:
+        """Per-tensor current scaling where no decision fitted ``incoming`` to the fp8 format
+        (:func:`adaloss.solver.fp8_fit_scale`): ``g`` rescaled and the scale it then carries."""
+        fit = solver.fp8_fit_scale(self.config, jnp.max(jnp.abs(g)).astype(_F32), incoming, jnp,
+                                   self.backoff)
+        r = _settled(fit.scale)
+        g, incoming = _rescale(g, r), _settled(incoming * r)
+        self._fit(incoming)
+        return g, incoming
+
+    def _quantize(self, g: Any, behind: frozenset[str]) -> tuple[Any, Any, Any]:
+        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the values both
+        GEMMs read (in ``g``'s dtype, exactly), their ``max|q|`` statistics and the cast's
+        fractions (``None`` unless reported); the decisions ``behind`` the scale hear the
+        fractions' signal (:func:`adaloss.solver.fp8_signal`)."""
         cfg = self.config
-        current = cfg.fp8_rule == "current" or not self._is_fitted(incoming)
-        if current:  # no decision fitted this scale to the format: per-tensor current scaling
-            fit = solver.fp8_fit_scale(cfg, jnp.max(jnp.abs(g)).astype(_F32), incoming, jnp, self.backoff)
-            r = _settled(fit.scale)
-            g, incoming = _rescale(g, r), _settled(incoming * r)
-            self._fit(incoming)
         q = solver.to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit, jnp)
         gq = q.astype(jnp.result_type(g))  # exact: every fp8 value is a 16-bit one
-        behind = self._decided_by(incoming)
         q_ext = solver.magnitude_stats(gq, jnp, moments=False)
         fractions = None
         if self.reporting or (cfg.underflow_feedback and behind):
             fractions = solver.quantized_fractions(g, q, cfg, jnp)
         if cfg.underflow_feedback and behind:
-            signal = solver.fp8_signal(cfg, *fractions, solver.absmax(q_ext, jnp), jnp)
+            signal = solver.fp8_signal(cfg, *fractions, solver.absmax(q_ext, jnp), jax.scipy.special.erfinv,
+                                       jnp)
             for name in behind:
                 self.fractions[name].append(signal)
+        return gq, q_ext, fractions
+
+    def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
+        """A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying ``incoming``)
+        quantized once, saturating (:meth:`_quantize`); both GEMMs read it; the decision
+        (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
+        cfg = self.config
+        current = cfg.fp8_rule == "current" or not self._is_fitted(incoming)
+        if current:  # no decision fitted this scale to the format
+            g, incoming = self._fit_current(g, incoming)
+        behind = self._decided_by(incoming)
+        gq, q_ext, fractions = self._quantize(g, behind)
         if node.wgt >= 0:
             self.cts[node.ins[node.diff[node.wgt]]].append((self._weight_grad(node, gq), incoming))
         if node.kind == "first":

@@ -8,6 +8,7 @@ tensor's max (per-tensor current scaling reads it at every cast). The models com
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,25 @@ def test_an_fp16_model_with_fp8_gradients_stays_finite_at_extreme_factors():
         assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
         flushed = [float(r.flushed) for r in rep.layers.values() if r.flushed is not None]
         assert len(flushed) == 3 and max(flushed) < 0.01
+
+
+@pytest.mark.parametrize("saturated", [2e-4, 0.2, 0.5])
+def test_a_saturation_lowers_the_lift_by_its_overshoot_in_one_step(saturated):
+    """A norm's backward may amplify a decision's output many times before the next cast: the
+    lift drops by the powers of two the saturated fraction puts between the format's max and the
+    tail the decision aimed at (normal model), in one step, in both frameworks."""
+    torch = pytest.importorskip("torch")
+    from statistics import NormalDist
+
+    from torch_bridge._xp import xp as torch_xp
+    cfg = AdaLossConfig(grad_format="float8_e4m3fn")
+    want = max(1, math.ceil(math.log2(cfg.z_saturation / NormalDist().inv_cdf(1 - saturated / 2))))
+    for ns, erfinv, arr in ((jnp, jax.scipy.special.erfinv, jnp.asarray),
+                            (torch_xp, torch.special.erfinv, torch.tensor)):
+        zero = arr(0.0)
+        signal = solver.fp8_signal(cfg, zero, zero, arr(saturated), arr(100.0), erfinv, ns)
+        k = solver.lift_update(cfg, arr(2, dtype=ns.int32), signal, arr(True), ns)
+        assert float(signal) == -want and int(k) == 2 - want
 
 
 def test_saturation_lowers_the_lift_and_training_skips_nothing():

@@ -639,15 +639,8 @@ class ScaledBackward:
         if current:
             fit = solver.fp8_fit_scale(cfg, self.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, self.bo)
             g, incoming = self._rescale(g, fit.scale), incoming * fit.scale
-        q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
-        gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
-        q_absmax = gq.abs().amax().to(_F32)
-        fractions = solver.quantized_fractions(g, q, cfg, xp)
         behind = self.deciders.get(p.sym, frozenset())
-        if cfg.underflow_feedback:
-            signal = solver.fp8_signal(cfg, *fractions, q_absmax, xp)
-            for name in behind:
-                self.fractions[name].append(signal)
+        gq, q_absmax, fractions = self._quantize(g, behind)
         wcap = self._weight_grad_cap(p, gq)
         if p.kind == "input":  # no decision: only the node's 16-bit weight gradient capped
             r = sx.ones_like(incoming) if wcap is None else solver.at_most(wcap, sx)
@@ -680,6 +673,21 @@ class ScaledBackward:
         go[0] = self._rescale(gq, d.scale)
         self.decisions[p.name] = _Decision(kind, d, d.sigma, incoming, outgoing, self.sm.to_xp(q_absmax),
                                            p.fan_in, held, fractions, current)
+
+    def _quantize(self, g: torch.Tensor, behind: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the values the node's
+        GEMMs read (in ``g``'s dtype, exactly), their ``max|q|`` and the cast's fractions; the
+        decisions ``behind`` the scale hear the fractions' signal (:func:`adaloss.solver.fp8_signal`)."""
+        cfg = self.config
+        q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
+        gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
+        q_absmax = gq.abs().amax().to(_F32)
+        fractions = solver.quantized_fractions(g, q, cfg, xp)
+        if cfg.underflow_feedback:
+            signal = solver.fp8_signal(cfg, *fractions, q_absmax, torch.special.erfinv, xp)
+            for name in behind:
+                self.fractions[name].append(signal)
+        return gq, q_absmax, fractions
 
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
         """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
