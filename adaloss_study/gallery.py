@@ -61,14 +61,17 @@ CASES = (
 FP8_CASES = (
     Case("fp8-e5m2", "FP8 e5m2 gradients", ("--grad-format", "float8_e5m2", "--seeds", "2"),
          "Every method but fp32 computes in bf16; adaloss, current and delayed scaling quantize each "
-         "layer's cotangent to e5m2 (Transformer Engine's HYBRID gradients), bf16 does not quantize."),
+         "layer's cotangent to e5m2 (Transformer Engine's HYBRID gradients), bf16 does not quantize. "
+         "`fp32-cold` is fp32 with no gradient at step 0, what delayed scaling's cold start does (its "
+         "scale of 1 flushes every cotangent): Adam's bias correction then damps the next updates, a "
+         "warm-up this short run at a fixed learning rate gains from; compare delayed scaling with it."),
     Case("fp8-e4m3", "FP8 e4m3 gradients per tensor", ("--grad-format", "float8_e4m3fn", "--seeds", "2"),
          "The same with e4m3 gradients (3 mantissa bits, ~18 binades), per tensor: no production "
          "stack trains this way (Transformer Engine's all-e4m3 recipe needs 1×128 tiles); how far "
          "does each way of choosing the scale get?"),
     Case("fp8-spike", "FP8 e5m2 gradients, a loss spike mid-run",
-         ("--grad-format", "float8_e5m2", "--spike-at", "150", "--methods", "fp32", "bf16", "adaloss-product",
-          "current", "delayed-16", "delayed-1024"),
+         ("--grad-format", "float8_e5m2", "--spike-at", "150", "--seeds", "2", "--methods", "fp32", "bf16",
+          "adaloss-product", "current", "delayed-16", "delayed-1024"),
          "From step 150 the loss is ×1000 for 10 steps, where a stale amax history mis-scales "
          "(`spike loss`: the mean train loss over the spike and the 20 steps after it). Adam's second "
          "moment keeps the spike's gradients for ~1000 steps, so every method, fp32 included, trains "

@@ -24,7 +24,10 @@ With an fp8 ``grad_format`` (``adaloss-study --grad-format float8_e5m2``) every 
   the loss cotangent's);
 - ``current``: ``fp8_rule="current"``, per-tensor current scaling (each cast's own max);
 - ``delayed-16`` / ``delayed-1024``: flax's ``fp8_ops.out_qdq`` on every layer's output
-  (:mod:`adaloss_zoo.fp8_delayed`), amax histories of 16 and 1024 steps, kept in the train state.
+  (:mod:`adaloss_zoo.fp8_delayed`), amax histories of 16 and 1024 steps, kept in the train state;
+- ``fp32-cold``: fp32 whose step 0 applies no gradient (Adam still counts the step), as
+  delayed scaling's cold start does when its scale of 1 flushes every cotangent: a zero first
+  gradient damps Adam's next updates (its bias correction), a warm-up of its own.
 
 ``RunConfig.spike_at``: the loss ×``spike`` for ``spike_steps`` steps from that step (every
 method), where a stale amax history mis-scales.
@@ -61,11 +64,12 @@ from jax_adaloss.underflow import compare_cotangents
 
 METHODS = ("fp32", "fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only",
            "largest-safe", "adaloss-output", "adaloss-gradient", "bf16", "current", "delayed-16",
-           "delayed-1024")
+           "delayed-1024", "fp32-cold")
 #: what ``adaloss-study`` runs unless ``--methods`` says otherwise
 DEFAULT_METHODS = METHODS[:8]
 #: the same with an fp8 ``--grad-format``
-FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "delayed-16", "delayed-1024", "cast-only")
+FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "delayed-16", "delayed-1024", "cast-only",
+               "fp32-cold")
 #: the methods that only make sense with an fp8 ``grad_format`` (and those only without one)
 _FP8_ONLY = ("current", "delayed-16", "delayed-1024")
 _FP16_ONLY = ("fp16", "static", "dynamic", "dynamic-grow", "largest-safe")
@@ -115,7 +119,7 @@ class RunConfig:
 
     def compute_dtype(self, method: str) -> Any:
         """fp32 for ``fp32``; bf16 with an fp8 ``grad_format`` (and for ``bf16``); else fp16."""
-        if method == "fp32":
+        if method in ("fp32", "fp32-cold"):
             return jnp.float32
         return jnp.bfloat16 if self.adaloss.fp8 or method == "bf16" else jnp.float16
 
@@ -304,6 +308,9 @@ def _global_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, pa
         opt_state, ls = state
         value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, x, y, factor)))(params)
         grads = ls.unscale(grads)
+        if method == "fp32-cold":  # no gradient at step 0; Adam's count still advances
+            first = optax.tree.get(opt_state, "count") == 0
+            grads = jax.tree.map(lambda g: jnp.where(first, jnp.zeros_like(g), g), grads)
         finite = jmp.all_finite(grads)
         updates, new_opt = adam.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -335,7 +342,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
         factor = cfg.factor(i)
         # fp8: the casts report their own fractions every step (the underflow measurement compares
         # 16-bit cotangents with an fp32 backward's)
-        if method != "fp32" and not cfg.adaloss.fp8 and cfg.measure_every and i % cfg.measure_every == 0:
+        measure = cfg.measure_every and i % cfg.measure_every == 0
+        if method not in ("fp32", "fp32-cold") and not cfg.adaloss.fp8 and measure:
             if t.ada_cfg is not None:  # with the run's back-off and lifts
                 low = capture_adaptive(t.params, x, y, _ONE, state=t.state)
             else:

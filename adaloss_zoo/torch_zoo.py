@@ -228,15 +228,21 @@ class RunResult:
 
 def run_adaloss(case: TorchCase, model: torch.nn.Module, batch: Any, factor: float,
                 config: AdaLossConfig | None = None, seed: int = 0, max_tries: int = 32,
-                dtype: torch.dtype = _AUTOCAST) -> RunResult:
+                dtype: torch.dtype = _AUTOCAST, warm: int = 0) -> RunResult:
     """:class:`torch_bridge.AdaLossScaler` on repeated backward passes of the same batch until
     one is finite (its back-off lowers the decisions after each), as :func:`run_gradscaler`;
-    gradients unscaled by ``unscale_``, and the passes skipped before (``dtype``: autocast's)."""
+    gradients unscaled by ``unscale_``, and the passes skipped before (``dtype``: autocast's).
+    ``warm``: that many steps first (learning rate 0), so that the scaler's state (the lift the
+    underflow feedback keeps) has seen the batch."""
     import torch_bridge
     scaler = torch_bridge.AdaLossScaler(model, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        for _ in range(warm):
+            scaler.scale(_forward(case, model, batch, factor, seed, dtype)).backward()
+            scaler.step(opt)
+            scaler.update()
         for _ in range(max_tries):
             scaler.scale(_forward(case, model, batch, factor, seed, dtype)).backward()
             scaler.unscale_(opt)

@@ -61,6 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import jax_adaloss
 from adaloss import AdaLossConfig
@@ -114,6 +115,25 @@ def _adaloss(case: jz.JaxCase, factor: float, config: AdaLossConfig, ref: Any, c
     return out
 
 
+def _adaloss_warm(case: jz.JaxCase, factor: float, config: AdaLossConfig, ref: Any) -> dict[str, float]:
+    """adaloss after ``WARM`` steps on the same batch (learning rate 0), as delayed scaling is
+    warmed: its state's lift has heard the casts' feedback."""
+    loss, x = case.objective()
+    loss_p, params = pure(loss, x)
+    tx = jax_adaloss.adaloss(config, inner=optax.sgd(0.0))
+    vg = jax_adaloss.value_and_grad(_times(loss_p, factor), has_aux=True, config=config)
+
+    @jax.jit
+    def step(p: Any, s: Any) -> Any:
+        _, g = vg(p, adaloss_state=s)
+        return g, tx.update(g, s, p)[1]
+    state = tx.init(params)
+    for _ in range(WARM + 1):
+        g, new = step(params, state)
+        state = new
+    return _error(jax_adaloss.unscale_tree(g), ref, factor, case.exclude)
+
+
 def _delayed(case: jz.JaxCase, factor: float, fmt: str, ref: Any, histories: tuple[int, ...]
              ) -> dict[str, Any]:
     loss, x = case.objective()
@@ -158,6 +178,7 @@ def _one(case: jz.JaxCase, ref: Any, fmt: str, factor: float, histories: tuple[i
     out: dict[str, Any] = {name: _adaloss(case, factor, AdaLossConfig(grad_format=fmt, **kw), ref,
                                           casts=name in COUNTED)
                            for name, kw in VARIANTS.items()}
+    out["adaloss warm"] = _adaloss_warm(case, factor, AdaLossConfig(grad_format=fmt), ref)
     spiked = _adaloss(case, factor * SPIKE, AdaLossConfig(grad_format=fmt), ref)
     out["adaloss spike"] = {k: spiked[k] for k in ("median", "worst")}
     out.update(_delayed(case, factor, fmt, ref, histories))
@@ -216,9 +237,10 @@ def _torch_one(case: Any, model: Any, batch: Any, ref: Any, fmt: str, factor: fl
         e = grad_error(r.grads, ref, case.exclude)
         return {"median": e.median, "worst": e.worst}
     out: dict[str, Any] = {}
-    for name, kw in (("adaloss", {}), ("current", {"fp8_rule": "current"})):
+    methods = (("adaloss", {}, 0), ("adaloss warm", {}, WARM), ("current", {"fp8_rule": "current"}, 0))
+    for name, kw, warm in methods:
         r = tz.run_adaloss(case, model, batch, factor, AdaLossConfig(grad_format=fmt, **kw), seed,
-                           dtype=torch.bfloat16)
+                           dtype=torch.bfloat16, warm=warm)
         out[name] = err(r) | {"skipped": r.skipped}
         if name == "adaloss":
             reps = [v for v in r.layers.values() if v.saturated is not None]

@@ -2,7 +2,9 @@
 
 import json
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 from adaloss_study import cli
@@ -174,6 +176,23 @@ def test_adam_eps_follows_the_loss_factor_so_fp32_ignores_it(tmp_path):
         losses[factor] = json.loads((out / "study.json").read_text())["runs"]["fp32"]["train_loss"]
     assert losses["1"][-1] < losses["1"][0]  # it trains
     assert losses["1e-8"] == pytest.approx(losses["1"], rel=1e-3)
+
+
+def test_fp32_cold_applies_no_gradient_at_step_0():
+    """``fp32-cold`` (delayed scaling's cold start, without the fp8): step 0 leaves the weights as
+    they are and counts in Adam; step 1 trains."""
+    from adaloss_study import jax_runner
+    args = cli._parser().parse_args(["--dim", "16", "--layers", "1", "--seq", "16"])
+    base = cli._run_config(args)
+    task = cli.TASKS[args.task](base)
+    t = jax_runner.Trainer("fp32-cold", base, task.flax_model)
+    data = task.train(0)
+    before = t.params
+    t.step(*next(data))
+    jax.tree.map(np.testing.assert_array_equal, t.params, before)
+    assert int(optax.tree.get(t.state[0], "count")) == 1
+    t.step(*next(data))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(before)))
 
 
 def test_ablation_methods(tmp_path, capsys):
