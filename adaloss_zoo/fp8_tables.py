@@ -37,6 +37,7 @@ def _count(rows: list[Row], better: Callable[[Row], bool]) -> int:
 
 def _grid(rows: list[Row], columns: tuple[str, ...], extra: tuple[str, ...] = (),
           cells: Callable[[Row], list[str]] = lambda r: []) -> str:
+    columns = tuple(c for c in columns if c in rows[0])  # a run with fewer methods
     head = ["model", "forward", "grads", "loss ×", "logits ×", *columns, *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -69,11 +70,12 @@ def summary(rows: list[Row], tol: float = TOL) -> list[str]:
     n = len(rows)
     ties = _count(rows, lambda r: _med(r, "adaloss") <= _med(r, "current") * (1 + tol))
     cold = _count(rows, lambda r: _med(r, "adaloss") < _med(r, "delayed-16 cold"))
-    warm = _count(rows, lambda r: _med(r, "adaloss warm") <= _med(r, "delayed-16") * (1 + tol))
-    warm_cur = _count(rows, lambda r: _med(r, "adaloss warm") <= _med(r, "current") * (1 + tol))
+    ada_warm = "adaloss warm" if "adaloss warm" in rows[0] else "adaloss"
+    warm = _count(rows, lambda r: _med(r, ada_warm) <= _med(r, "delayed-16") * (1 + tol))
+    warm_cur = _count(rows, lambda r: _med(r, ada_warm) <= _med(r, "current") * (1 + tol))
     spike = _count(rows, lambda r: _med(r, "adaloss spike") < _med(r, "delayed-16 spike"))
-    after = _count(rows, lambda r: _med(r, "adaloss") <= _med(r, "delayed-16 after") * (1 + tol))
-    after_lower = _count(rows, lambda r: _med(r, "adaloss") < _med(r, "delayed-16 after"))
+    after = _count(rows, lambda r: _med(r, ada_warm) <= _med(r, "delayed-16 after") * (1 + tol))
+    after_lower = _count(rows, lambda r: _med(r, ada_warm) < _med(r, "delayed-16 after"))
     nan = _count(rows, lambda r: not np.isfinite(r["delayed-16 cold"]["median"]))
     exact = _count(rows, lambda r: _med(r, "current exact") < _med(r, "current") * (1 - tol))
     one = _count(rows, lambda r: abs(_med(r, "cast-only") - _med(r, "adaloss")) <= tol * _med(r, "adaloss"))
