@@ -24,7 +24,15 @@ import numpy as np
 
 from adaloss.config import AdaLossConfig
 from adaloss_study import jax_runner, plots
-from adaloss_study.jax_runner import DEFAULT_METHODS, FP8_METHODS, METHODS, RunConfig, RunResult
+from adaloss_study.gallery import cell
+from adaloss_study.jax_runner import (
+    DEFAULT_METHODS,
+    FP8_METHODS,
+    METHODS,
+    TORCH_FP8_METHODS,
+    RunConfig,
+    RunResult,
+)
 from adaloss_study.tasks import TASKS
 
 
@@ -36,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="shakespeare: char GPT; digits: small CNN on scikit-learn's 8x8 digits")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=None,
                     help=f"default: {' '.join(DEFAULT_METHODS)}; with an fp8 --grad-format: "
-                         f"{' '.join(FP8_METHODS)}")
+                         f"{' '.join(FP8_METHODS)} (torch: {' '.join(TORCH_FP8_METHODS)})")
     ap.add_argument("--grad-format", choices=["float16", "float8_e5m2", "float8_e4m3fn"], default="float16",
                     help="AdaLossConfig.grad_format; fp8: every method but fp32 computes in bf16 and "
-                         "quantizes each layer's cotangent (JAX only)")
+                         "quantizes each layer's cotangent")
     ap.add_argument("--spike-at", type=int, default=None,
                     help="multiply the loss by 1000 for 10 steps from this step (every method)")
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
@@ -91,6 +99,9 @@ def _summary(r: RunResult, threshold: float, cfg: RunConfig | None = None) -> di
     flushed = [v for step in (r.fp8_flushed or r.flushed).values() for v in step.values()]
     carried = [v for step in r.carried.values() for v in step.values()]
     extra = {}
+    # fp8: a method whose casts report nothing (fp32, bf16, delayed and torchao scaling) has no
+    # flushed fraction to show, not a zero one
+    unmeasured = float("nan") if cfg is not None and cfg.adaloss.fp8 else 0.0
     if cfg is not None and cfg.spike_at is not None:
         window = r.train_loss[cfg.spike_at:cfg.spike_at + cfg.spike_steps + 20]
         extra["spike_loss"] = float(np.mean(window)) if window else float("nan")
@@ -100,7 +111,7 @@ def _summary(r: RunResult, threshold: float, cfg: RunConfig | None = None) -> di
             "underflow_max": float(rates.max()) if rates.size else 0.0,
             "within_T": float(np.mean(rates <= threshold)) if rates.size else 1.0,
             "carried_mean": float(np.mean(carried)) if carried else 0.0,
-            "flushed_max": float(np.max(flushed)) if flushed else 0.0, "step_ms": r.step_ms}
+            "flushed_max": float(np.max(flushed)) if flushed else unmeasured, "step_ms": r.step_ms}
 
 
 def _table(rows: dict[str, list[dict[str, float]]]) -> str:
@@ -115,7 +126,7 @@ def _table(rows: dict[str, list[dict[str, float]]]) -> str:
             vals = np.array([r[c] for r in runs], float)
             fmt = (".2e" if c.startswith(("underflow", "flushed", "carried")) else ".0f" if c == "skipped"
                    else ".2f" if c == "within_T" else ".4f")
-            cells[method].append(f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else ""))
+            cells[method].append(cell(vals, fmt))
     width = max([len(c) for c in cols] + [len(x) for row in cells.values() for x in row]) + 2
     head = f"{'method':<18}" + "".join(f"{c:>{width}}" for c in cols)
     lines = [head, "-" * len(head)]
@@ -157,9 +168,13 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     """Run every method (× seeds) of ``args``; print the table, write JSON (and plots) to ``args.out``."""
     base = _run_config(args)
     if args.methods is None:
-        args.methods = list(FP8_METHODS if base.adaloss.fp8 else DEFAULT_METHODS)
-    if args.framework == "torch" and (base.adaloss.fp8 or base.spike_at is not None):
-        raise SystemExit("adaloss-study: --grad-format fp8 and --spike-at run with --framework jax only")
+        fp8 = TORCH_FP8_METHODS if args.framework == "torch" else FP8_METHODS
+        args.methods = list(fp8 if base.adaloss.fp8 else DEFAULT_METHODS)
+    for method in args.methods:  # before any run: a wrong one fails at once
+        try:
+            jax_runner.check_method(method, base, args.framework)
+        except ValueError as e:
+            raise SystemExit(f"adaloss-study: {e}") from None
     if args.framework == "torch":
         from adaloss_study import torch_runner as runner
     else:

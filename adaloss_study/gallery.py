@@ -69,6 +69,12 @@ FP8_CASES = (
          "The same with e4m3 gradients (3 mantissa bits, ~18 binades), per tensor: no production "
          "stack trains this way (Transformer Engine's all-e4m3 recipe needs 1×128 tiles); how far "
          "does each way of choosing the scale get?"),
+    Case("fp8-torch", "FP8 e5m2 gradients in PyTorch, against torchao",
+         ("--framework", "torch", "--grad-format", "float8_e5m2", "--seeds", "2"),
+         "The same in PyTorch: the bridge's fp8 casts against torchao's float8 training "
+         "(`convert_to_float8_training`, `emulate=True`; `tensorwise`: inputs and weights in e4m3 "
+         "and gradients in e5m2, each at its own amax; `rowwise`: e4m3 per row), whose forward is "
+         "quantized too. No delayed scaling: torchao removed it."),
     Case("fp8-spike", "FP8 e5m2 gradients, a loss spike mid-run",
          ("--grad-format", "float8_e5m2", "--spike-at", "150", "--seeds", "2", "--methods", "fp32", "bf16",
           "adaloss-product", "current", "delayed-16", "delayed-1024"),
@@ -99,9 +105,21 @@ OVERHEAD = (
 )
 
 
-def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str:
+def cell(vals: np.ndarray, fmt: str) -> str:
+    """Mean ± std over seeds (``–`` where nothing was measured)."""
+    if np.isnan(vals).all():
+        return "–"
+    return f"{vals.mean():{fmt}}" + (f" ± {vals.std():{fmt}}" if len(vals) > 1 else "")
+
+
+#: the study table's columns that measure 16-bit underflow (an fp8 run measures its casts instead)
+UNDERFLOW_COLUMNS = ("underflow_mean", "underflow_max", "within_T", "carried_mean")
+
+
+def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32", fp8: bool = False) -> str:
     """The study table; ``vs fp32``: the relative val-loss difference to fp32 at the same seed
-    (same initialisation and batches), mean ± std over seeds."""
+    (same initialisation and batches), mean ± std over seeds; ``fp8``: without the 16-bit
+    underflow columns."""
     cols = [("spike_loss", "spike loss", ".4f"), ("val_loss", "val loss", ".4f"),
             ("val_ppl", "val ppl", ".3f"), ("skipped", "skipped", ".0f"),
             ("underflow_mean", "underflow mean", ".2e"), ("underflow_max", "underflow max", ".2e"),
@@ -110,14 +128,15 @@ def _markdown(rows: dict[str, list[dict[str, float]]], ref: str = "fp32") -> str
             ("step_ms", "ms/step", ".1f")]
     first = next(iter(rows.values()))[0]
     cols = [c for c in cols if c[0] in first]  # records written before a column existed
+    if fp8:
+        cols = [c for c in cols if c[0] not in UNDERFLOW_COLUMNS]
     paired = ref in rows
     head = "| method | " + " | ".join(c[1] for c in cols) + (" | vs fp32 |" if paired else " |")
     lines = [head, "|" + "---|" * (len(cols) + 1 + paired)]
     for method, runs in rows.items():
         cells = []
         for key, _, fmt in cols:
-            v = np.array([r[key] for r in runs], float)
-            cells.append(f"{v.mean():{fmt}}" + (f" ± {v.std():{fmt}}" if len(v) > 1 else ""))
+            cells.append(cell(np.array([r[key] for r in runs], float), fmt))
         if paired:
             rel = _relative_to(rows, method, ref)
             cells.append(f"{rel.mean():+.2f}%" + (f" ± {rel.std():.2f}" if len(rel) > 1 else ""))
@@ -217,7 +236,8 @@ def _case_section(out: Path, case: Case, argv: list[str], record: dict[str, Any]
     rel = Path(case.name)
     alt = second_plot.replace("_", " ")
     parts = [f"{level} {case.title}", "", case.question, "",
-             f"```\nadaloss-study {shlex.join(argv)}\n```", "", _markdown(record["summary"]), "",
+             f"```\nadaloss-study {shlex.join(argv)}\n```", "",
+             _markdown(record["summary"], fp8=second_plot == "fp8_fractions"), "",
              f"![loss]({rel / 'loss.png'}) ![{alt}]({rel / (second_plot + '.png')})", ""]
     heat = out / case.name / "scales_adaloss-product.png"
     if heat.exists():

@@ -64,16 +64,34 @@ from jax_adaloss.underflow import compare_cotangents
 
 METHODS = ("fp32", "fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only",
            "largest-safe", "adaloss-output", "adaloss-gradient", "bf16", "current", "delayed-16",
-           "delayed-1024", "fp32-cold")
+           "delayed-1024", "fp32-cold", "torchao-tensorwise", "torchao-rowwise")
 #: what ``adaloss-study`` runs unless ``--methods`` says otherwise
 DEFAULT_METHODS = METHODS[:8]
 #: the same with an fp8 ``--grad-format``
 FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "delayed-16", "delayed-1024", "cast-only",
                "fp32-cold")
+#: the same in PyTorch: torchao's float8 training instead of delayed scaling (torchao removed it)
+TORCH_FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "torchao-tensorwise", "torchao-rowwise",
+                     "cast-only", "fp32-cold")
 #: the methods that only make sense with an fp8 ``grad_format`` (and those only without one)
-_FP8_ONLY = ("current", "delayed-16", "delayed-1024")
+_FP8_ONLY = ("current", "delayed-16", "delayed-1024", "torchao-tensorwise", "torchao-rowwise")
+#: methods one framework has and the other has not
+JAX_ONLY = ("delayed-16", "delayed-1024")
+TORCH_ONLY = ("torchao-tensorwise", "torchao-rowwise")
 _FP16_ONLY = ("fp16", "static", "dynamic", "dynamic-grow", "largest-safe")
 GLOBAL_SCALES = ("static", "dynamic", "dynamic-grow")
+
+
+def check_method(method: str, cfg: RunConfig, framework: str) -> None:
+    """Refuse, naming the reason, a method this framework or this ``grad_format`` does not run."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if method in (TORCH_ONLY if framework == "jax" else JAX_ONLY):
+        other = "torch" if framework == "jax" else "jax"
+        raise ValueError(f"method {method!r} runs with --framework {other} only")
+    if (method in _FP8_ONLY and not cfg.adaloss.fp8) or (method in _FP16_ONLY and cfg.adaloss.fp8):
+        need = "an fp8 --grad-format" if method in _FP8_ONLY else "--grad-format float16"
+        raise ValueError(f"method {method!r} needs {need} (got {cfg.adaloss.grad_format!r})")
 
 
 def adaloss_config(method: str, base: AdaLossConfig) -> AdaLossConfig | None:
@@ -200,11 +218,7 @@ class Trainer:
 
     def __init__(self, method: str, cfg: RunConfig, make_model: Callable[[Any, Any, int], Any],
                  telemetry: bool = True) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        if (method in _FP8_ONLY and not cfg.adaloss.fp8) or (method in _FP16_ONLY and cfg.adaloss.fp8):
-            need = "an fp8 --grad-format" if method in _FP8_ONLY else "--grad-format float16"
-            raise ValueError(f"method {method!r} needs {need} (got {cfg.adaloss.grad_format!r})")
+        check_method(method, cfg, "jax")
         self.method, self.cfg = method, cfg
         dtype = cfg.compute_dtype(method)
         graphdef, self.params = nnx.split(make_model(cfg, dtype, cfg.seed))
