@@ -30,8 +30,8 @@ With an fp8 ``grad_format`` (:func:`fp8_layer_scale`) a layer's incoming cotange
 quantized to the format as carried, and the decision sets the scale of the layer's *output*
 (the dgrad result, quantized at the next layer) before the GEMM computes it:
 
-1'. ``σ_out² = n·E[g²]·E[W²]``, the spread of one entry of ``g·Wᵀ`` (a sum of ``n``
-    products), from the quantized ``g``;
+1'. ``σ_out² = n·E_row[g²]·E[W²]``, the spread of one entry of ``g·Wᵀ`` (a sum of ``n``
+    products) in the largest row of the quantized ``g`` (``E_row``: the mean over that row);
 2'. the largest scale whose predicted saturated fraction is at most ``T_sat``:
     ``s = u_max / (σ_out·√2·erfinv(1 − T_sat))``, times the lift ``2^k`` (``k`` may be
     negative); no ``max(s, 1)``: the cotangent as carried may have to shrink;
@@ -319,10 +319,20 @@ def layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
     return _decide(config, s_model, cap, incoming, sigma, xp, backoff)
 
 
-def output_sigma(g: TensorStats, w: TensorStats, fan_in: int, xp: Any) -> Array:
+def output_sigma(g: TensorStats, w: TensorStats, fan_in: int, xp: Any, row_sq: Array | None = None) -> Array:
     """σ of one entry of a layer's output cotangent ``g·Wᵀ``: ``sqrt(n·E[g²]·E[W²])``
-    (independent entries)."""
-    return xp.sqrt(g.sq_mean * w.sq_mean * float(fan_in))
+    (independent entries); with ``row_sq`` (:func:`worst_row_sq_mean`) ``E[g²]`` of ``g``'s
+    largest row instead, so that the spread is the largest row's: a classifier token's or a
+    masked loss's cotangent leaves a few rows live, which carry all of it, and rows of unequal
+    size (tokens) make the entries a mixture whose tail is its largest component's."""
+    sq = g.sq_mean if row_sq is None else row_sq
+    return xp.sqrt(sq * w.sq_mean * float(fan_in))
+
+
+def worst_row_sq_mean(g: Array, feature_axes: tuple[int, ...], xp: Any) -> Array:
+    """The largest mean square (fp32) among ``g``'s rows: its entries along ``feature_axes`` (the
+    layer's output features) at one position of the others."""
+    return xp.max(xp.mean(xp.square(_f32(g, xp)), axis=feature_axes))
 
 
 def fp8_model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None,
@@ -340,13 +350,14 @@ def fp8_layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats, fan_i
                     incoming: Array, carrier_max: float, xp: Any,
                     cached_model_scale: Array | None = None, cached_sigma: Array | None = None,
                     backoff: Array | None = None, lift: Array | None = None,
-                    extra_cap: Array | None = None) -> LayerScale:
+                    extra_cap: Array | None = None, row_sq: Array | None = None) -> LayerScale:
     """The scale a layer applies to its output cotangent with an fp8 ``grad_format`` (steps
-    1'-3'): ``g`` the statistics of its incoming cotangent as quantized, ``w`` its weight's;
+    1'-3'): ``g`` the statistics of its incoming cotangent as quantized, ``w`` its weight's,
+    ``row_sq`` the mean square of ``g``'s largest row (:func:`output_sigma`);
     ``carrier_max`` the largest finite value of the dtype the backward computes in. With
     ``cached_model_scale`` and ``cached_sigma`` (``update_every``) σ is not recomputed;
     ``extra_cap`` is a further cap the caller knows (:func:`weight_grad_cap`)."""
-    sigma = output_sigma(g, w, fan_in, xp) if cached_sigma is None else cached_sigma
+    sigma = output_sigma(g, w, fan_in, xp, row_sq) if cached_sigma is None else cached_sigma
     s_model = (fp8_model_scale(config, sigma, xp, backoff, lift) if cached_model_scale is None
                else cached_model_scale)
     m = absmax(g, xp)
@@ -586,6 +597,18 @@ def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float
     candidates = xp.concat([s, xp.stack([smallest * 0.5, smallest * 0.25, smallest * 0.125])])
     best = xp.max(xp.where(candidates * m < u_max, candidates, xp.zeros_like(candidates)))
     return xp.where(best > 0, best, smallest * 0.125)
+
+
+def fp8_merge_scale(config: AdaLossConfig, scales: Sequence[Array], absmaxes: Sequence[Array], xp: Any,
+                    backoff: Array | None = None, summed: bool = True) -> Array:
+    """With an fp8 ``grad_format``, the common scale of contributions ``g_b`` (carrying ``s_b``)
+    about to be summed (``summed``) and cast: :func:`fp8_fit_scale` of
+    ``Σ_b max|g_b| / s_b``, the largest their sum can be unscaled, so that no entry of the sum
+    saturates (the branch scales themselves are no candidates: a decision's scale fits its own
+    branch, not the sum); ``summed=False`` (slices kept apart): of ``max_b``."""
+    m = xp.stack([_f32(a, xp) / _f32(s, xp) for a, s in zip(absmaxes, scales)])
+    total = xp.sum(m) if summed else xp.max(m)
+    return fp8_fit_scale(config, total, xp.ones_like(total), xp, backoff).scale
 
 
 def predicted_underflow(config: AdaLossConfig, sigma: Array, scale: Array,

@@ -98,6 +98,7 @@ class _Node:
     wgt: int = -1  # index into ``diff`` of the weight operand (-1: weight not differentiated)
     weight: Any = None
     fan_in: int = 1
+    feature_axes: tuple[int, ...] = ()  # a layer's output axes that come from the weight
     eqn: Any = None  # (primitive, bind params, input values): to transpose it widened
     wide: tuple[int, ...] = ()  # positions in ``diff`` whose cotangent goes to a weight
     widenable: bool = False  # the equation can be re-bound on fp32 inputs
@@ -105,6 +106,9 @@ class _Node:
     axes: tuple[Any, ...] = ()  # a collective's named axes (its transpose moves cotangents across devices)
     # a mul/div by a scalar that may amplify a 16-bit cotangent: the bound |c| or 1/|c|
     factor: Any = None
+    # a normalization's 16-bit backward (x·rsqrt(v), x/sqrt(v), rsqrt(v) with v from the data):
+    # it may amplify the cotangent where no decision sees it (fp8: the next cast fits its own max)
+    norm: bool = False
 
 
 @dataclasses.dataclass
@@ -156,6 +160,9 @@ class _Tape:
         # slot -> its value where a scalar is a constant known at trace time behind ops that
         # keep it (``pvary`` under ``shard_map``, casts, reshapes): a factor's static bound
         self.known: dict[int, float] = {}
+        # slots holding a normalizer: rsqrt (or sqrt, a divisor) of data, as computed or moved,
+        # cast, broadcast, or times weights (a norm's scale folded in)
+        self.normalizers: set[int] = set()
 
     def slot(self, value: Any, origin: str | None, needs: bool) -> int:
         self.values.append(value)
@@ -258,12 +265,32 @@ class _Tape:
             self._classify(node, eqn, vals)
             node.factor = _amplification(prim.name, vals, [self.known.get(s) for s in ins], diff,
                                          node.wide, out_vals)
+            node.norm = self._normalizes(prim.name, ins, outs, out_vals)
             self.nodes.append(node)
         if prim.name in _KEEPS_VALUE and len(ins) == 1 and len(outs) == 1 and np.size(out_vals[0]) == 1:
             c = vals[0] if not isinstance(vals[0], jax.core.Tracer) else self.known.get(ins[0])
             if c is not None:
                 self.known[outs[0]] = float(np.asarray(c, np.float64).reshape(()))
         return outs
+
+    def _normalizes(self, prim: str, ins: list[int], outs: list[int], out_vals: list[Any]) -> bool:
+        """Track normalizers (:attr:`normalizers`); whether this equation's backward is a
+        normalization's, in 16 bits (a narrower dtype: in fp32 a cast narrows the result, and a
+        cast reads its tensor anyway)."""
+        flagged = [s in self.normalizers for s in ins]
+        data = [self.origin[s] is None for s in ins]
+        narrow = len(outs) == 1 and _is_float(jnp.result_type(out_vals[0])) \
+            and jnp.dtype(jnp.result_type(out_vals[0])).itemsize <= 2
+        if prim in ("rsqrt", "sqrt") and data[0]:
+            self.normalizers.add(outs[0])
+            return narrow  # its own backward amplifies too (by r³/2, 1/(2·sqrt))
+        if not any(flagged) or len(outs) != 1:
+            return False
+        if prim in _KEEPS_VALUE or (prim == "mul" and not any(d and not f for d, f in zip(data, flagged))):
+            self.normalizers.add(outs[0])  # moved, or times weights and constants only
+            return False
+        divisor = prim == "div" and flagged[1] and not flagged[0]
+        return narrow and (prim == "mul" or divisor)
 
     def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
         """Run a ``scan`` forward, keeping the carry that enters each iteration."""
@@ -362,6 +389,7 @@ class _Tape:
             node.wgt = node.diff.index(w) if w in node.diff else -1
             node.weight = vals[w]
             node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
+            node.feature_axes = _feature_axes(eqn, w, np.ndim(vals[0]), np.ndim(vals[1]))
             self._check_format(jnp.result_type(self.values[node.outs[0]]), f"layer {node.name}")
         elif (prim == "convert_element_type" and self.config.cast_rule
               and node.diff == (0,) and self.origin[node.ins[0]] is None):
@@ -463,6 +491,21 @@ def _weighted_inside(params: dict[str, Any]) -> int:
     return total
 
 
+def _feature_axes(eqn: jcore.JaxprEqn, w: int, lhs_ndim: int, rhs_ndim: int) -> tuple[int, ...]:
+    """The axes of a layer's output that come from its weight operand ``w`` (its output features):
+    ``dot_general``'s output is (batch, lhs free, rhs free), a convolution's feature axis is its
+    ``out_spec[1]``, a ragged dot's output is ``[m, n]``."""
+    prim = eqn.primitive.name
+    if prim == "conv_general_dilated":
+        return (eqn.params["dimension_numbers"].out_spec[1],)
+    if prim == "ragged_dot_general":
+        return (-1,)
+    (contract, batch) = eqn.params["dimension_numbers"]
+    free = [nd - len(contract[i]) - len(batch[i]) for i, nd in enumerate((lhs_ndim, rhs_ndim))]
+    start = len(batch[0]) + (free[0] if w == 1 else 0)
+    return tuple(range(start, start + free[w]))
+
+
 def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
     """Terms summed into each entry of the activation's gradient."""
     if eqn.primitive.name == "dot_general":
@@ -533,7 +576,11 @@ class _Sweep:
             return _sum([p[0] for p in parts]), first
         dtype = jnp.result_type(*[p[0] for p in parts])
         absmax = [jnp.max(jnp.abs(p[0])).astype(_F32) for p in parts]
-        target = _settled(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
+        if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
+            target = _settled(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
+                                                     self.backoff))
+        else:
+            target = _settled(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
         self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
         self._fit(target)
         return _stored(_sum([_rescale(ct, target / s) for ct, s in parts])), target
@@ -563,6 +610,14 @@ class _Sweep:
     def _is_fitted(self, scale: Any) -> bool:
         got = self.fitted.get(id(scale))
         return got is not None and got is scale
+
+    def _unfitted(self, scale: Any) -> Any:
+        """``scale`` (the same value, another object) no longer fitted to the fp8 format: what a
+        normalization's backward sends may exceed what the decisions behind it modelled, so the
+        next cast reads its tensor's max (current scaling); those decisions still hear it."""
+        out = scale * jnp.ones((), _F32)
+        self._decided(out, self._decided_by(scale))
+        return out
 
     def take(self, slot: int) -> tuple[Any, Any] | None:
         parts = self.cts.pop(slot, None)
@@ -608,6 +663,8 @@ class _Sweep:
                     out_cts, scale = self._agree(out_cts, scale, node.axes)
                 if node.factor is not None and self.adaptive:
                     out_cts, scale = self._amplified(out_cts, scale, node.factor)
+                if node.norm and self.config.fp8 and self.adaptive:
+                    scale = self._unfitted(scale)
                 for pos, ct in zip(node.diff, self._transpose(node, out_cts)):
                     self.cts[node.ins[pos]].append((ct, scale))
 
@@ -745,8 +802,13 @@ class _Sweep:
         scale: the merge of the slices."""
         n = scales.shape[0]
         absmax = jnp.max(jnp.abs(ct.astype(_F32)).reshape(n, -1), axis=1)
-        target = _settled(solver.merge_scale([scales[k] for k in range(n)], [absmax[k] for k in range(n)],
-                                             self._u_max(jnp.result_type(ct)), jnp))
+        if self.config.fp8:
+            target = _settled(solver.fp8_merge_scale(self.config, [scales[k] for k in range(n)],
+                                                     [absmax[k] for k in range(n)], jnp, self.backoff,
+                                                     summed=False))
+        else:
+            target = _settled(solver.merge_scale([scales[k] for k in range(n)], [absmax[k] for k in range(n)],
+                                                 self._u_max(jnp.result_type(ct)), jnp))
         factor = (target / scales).reshape((n,) + (1,) * (np.ndim(ct) - 1))
         return _rescale(ct, factor), target
 
@@ -853,7 +915,8 @@ class _Sweep:
 
         def fresh() -> tuple[Any, Any]:
             sigma = solver.output_sigma(solver.magnitude_stats(gq, jnp), solver.magnitude_stats(weight, jnp),
-                                        node.fan_in, jnp)
+                                        node.fan_in, jnp,
+                                        solver.worst_row_sq_mean(gq, node.feature_axes, jnp))
             return solver.fp8_model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
 
         # "current": the next cast fits its own tensor; no layer_rule: one global scale, the loss

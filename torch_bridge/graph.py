@@ -71,13 +71,17 @@ _STRUCTURAL = frozenset({
     "AliasBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0",
     "ContiguousBackward0", "ViewAsRealBackward0", "ExpandAsBackward0"})
 _CAST = "ToCopyBackward0"
+# a normalization's backward (fp8: its 16-bit result may exceed what the decisions behind it
+# modelled): fused norms, and rsqrt(v) (x·rsqrt(v): a Mul one of whose inputs comes from it)
+_NORMS = frozenset({"NativeLayerNormBackward0", "NativeBatchNormBackward0", "NativeGroupNormBackward0",
+                    "FusedRmsNormBackward0", "RsqrtBackward0", "SqrtBackward0"})
 # opaque regions that use parameters inside: reentrant torch.utils.checkpoint (parameters
 # reached by a nested backward, not edges) and torch.compile (AOTAutograd)
 _REGIONS = ("CheckpointFunctionBackward", "CompiledFunctionBackward")
 _ACT = None  # origin of activations; a weight's origin is its parameter name
 # node kinds that only lower the scale they pass on, where the node would make a 16-bit value
 # overflow: a scalar factor, a first layer's weight gradient (no decision, no report)
-NO_DECISION = ("op", "factor", "input")
+NO_DECISION = ("op", "factor", "input", "norm")
 
 
 def _is_float(dtype: torch.dtype) -> bool:
@@ -118,6 +122,7 @@ class NodePlan:
     # ("cast", dtype) or ("mul" | "div" | "rdiv", (node position, attribute of the scalar)))
     recipe: tuple[int, tuple[tuple[str, Any], ...]] | None = None
     fan_in: int = 1
+    feature_dim: int = -1  # a layer's output dimension that comes from its weight (its features)
     narrow_dtype: torch.dtype | None = None  # a cast's: the dtype its cotangent is narrowed to
     # a "factor" node (``x·c``, ``x/c`` with ``c`` a scalar, on a 16-bit cotangent): the saved
     # attribute holding ``c``, and whether the node divides by it
@@ -191,14 +196,14 @@ class ScalePlan:
 
     def __init__(self, root: Any, param_names: Mapping[int, str], cast_rule: bool = True,
                  cache: OrderedDict[Any, _Template] | None = None, cache_size: int = 8,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, norms: bool = False) -> None:
         walk = _Walk(root, param_names)
-        key = (walk.key, cast_rule)
+        key = (walk.key, cast_rule, norms)
         template = cache.get(key) if cache is not None else None
         #: whether this structure was classified now (not taken from the cache)
         self.fresh = template is None
         if template is None:
-            template = _Builder(walk, param_names, cast_rule).template()
+            template = _Builder(walk, param_names, cast_rule, norms).template()
             if cache is not None:
                 cache[key] = template
                 while len(cache) > cache_size:
@@ -242,8 +247,9 @@ def _check_format(order: tuple[NodePlan, ...], grad_dtype: torch.dtype) -> None:
 class _Builder:
     """Classifies the nodes of a walk and assigns scale symbols."""
 
-    def __init__(self, walk: _Walk, param_names: Mapping[int, str], cast_rule: bool) -> None:
-        self.walk, self.param_names, self.cast_rule = walk, param_names, cast_rule
+    def __init__(self, walk: _Walk, param_names: Mapping[int, str], cast_rule: bool,
+                 norms: bool = False) -> None:
+        self.walk, self.param_names, self.cast_rule, self.norms = walk, param_names, cast_rule, norms
         n = len(walk.nodes)
         # Kahn's topological order over walk positions
         deps = [0] * n
@@ -291,7 +297,7 @@ class _Builder:
         self.weighted_ops = 0
         self.missed: list[str] = []
         names: dict[str, int] = defaultdict(int)
-        casts = regions = factors = 0
+        casts = regions = factors = norms = 0
         for plan in sorted(self.plans, key=lambda p: p.rank):  # forward order
             if self._as_layer(plan):
                 k = names[plan.name]
@@ -310,6 +316,9 @@ class _Builder:
             elif self._amplifies(plan):
                 plan.kind, plan.name = "factor", f"factor:{factors}"
                 factors += 1
+            elif self.norms and self._normalizes(plan):
+                plan.kind, plan.name = "norm", f"norm:{norms}"
+                norms += 1
 
     def _node_origin(self, o: int) -> str | None:
         node, plan = self.nodes[o], self.plans[o]
@@ -373,6 +382,9 @@ class _Builder:
         plan.act_edge, plan.weight_attr = act, attrs[w]
         plan.recipe = self._recipe(producer)
         plan.fan_in = _fan_in(kind, w, shape, node)
+        # the output's features: a convolution's channels; a matmul's last dimension, or with the
+        # weight on the left (W @ x) its rows
+        plan.feature_dim = 1 if kind == _CONV else (-2 if w == 0 and kind not in _VECTOR else -1)
         return True
 
     def _gathered(self, edge: tuple[int, int]) -> str | None:
@@ -457,6 +469,25 @@ class _Builder:
                 plan.reduce_shape, plan.reduce_attr = tuple(self._shape(e)), attrs[i] or ""
                 break
         return bool(plan.factor_attr or plan.reduce_shape)
+
+    def _normalizes(self, plan: NodePlan) -> bool:
+        """A normalization's backward computed in 16 bits (in fp32 a cast narrows its result, and
+        a cast reads its tensor anyway): a fused norm, ``rsqrt``/``sqrt`` of data, or a ``Mul``
+        by (a moved or cast copy of) a data ``rsqrt``, as ``jax_adaloss`` finds them."""
+        dtypes = [d for d in plan.out_dtypes if _is_float(d)]
+        if not dtypes or max(d.itemsize for d in dtypes) > 2:
+            return False
+        kind = self.nodes[plan.index].name()
+        if kind in _NORMS:
+            return kind not in ("RsqrtBackward0", "SqrtBackward0") or self.origin[plan.index] is _ACT
+        if kind != "MulBackward0":
+            return False
+        for e in plan.edges:
+            while e is not None and self.nodes[e[0]].name() in _STRUCTURAL | {_CAST}:
+                e = self.plans[e[0]].edges[0] if self.plans[e[0]].edges else None
+            if e is not None and self.nodes[e[0]].name() == "RsqrtBackward0" and self.origin[e[0]] is _ACT:
+                return True
+        return False
 
     def _shape(self, edge: tuple[int, int]) -> list[int]:
         """The shape of the value on ``edge`` (its gradient's)."""

@@ -369,6 +369,9 @@ class ScaledBackward:
             self._cast(p, go)
         elif p.kind == "factor":
             self._factor(p, go)
+        elif p.kind == "norm":  # fp8: the same scale, not fitted: the next cast reads its max
+            self.values[p.send] = self.values[p.sym]
+            self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
         elif p.kind == "input":
             (self._layer_fp8 if self.config.fp8 else self._input_layer)(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
@@ -432,6 +435,9 @@ class ScaledBackward:
         sx = self.sm.xp
         scales = [s for _, s in parts]
         absmax = [solver.absmax(self._stats(_min_max(t)), sx) for t, _ in parts]
+        if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
+            target = solver.fp8_merge_scale(self.config, scales, absmax, sx, self.bo)
+            return [self._rescale(t, target / s) for t, s in parts], target
         limit = u_max(self.config, dtype)
         if self.bo is not None and dtype.itemsize <= 2:
             limit = limit * self.bo
@@ -654,10 +660,12 @@ class ScaledBackward:
             cached = self._cached(p.name)
             if cfg.fp8_rule == "current" or not cfg.layer_rule:
                 cached = (sx.ones_like(incoming), sx.zeros_like(incoming))
+            row_sq = None if cached is not None else self.sm.to_xp(
+                solver.worst_row_sq_mean(gq, (p.feature_dim,), xp))
             d = solver.fp8_layer_scale(cfg, gs, ws, p.fan_in, incoming, torch.finfo(g.dtype).max, sx,
                                        cached_model_scale=None if cached is None else cached[0],
                                        cached_sigma=None if cached is None else cached[1], backoff=self.bo,
-                                       lift=self._lift_of(p.name, g), extra_cap=wcap)
+                                       lift=self._lift_of(p.name, g), extra_cap=wcap, row_sq=row_sq)
             self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
             self.deciders[p.send] = frozenset({p.name})
             self.limited[p.name] = d.unrounded < d.model_scale

@@ -161,7 +161,7 @@ class AdaLossScaler:
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
         plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule,
-                         cache=self._plans,
+                         cache=self._plans, norms=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if plan.fresh:
             _refuse_sharded(self._model)
