@@ -240,7 +240,9 @@ class _Tape:
             out = prim.bind(*xs, **params)
             return list(out) if prim.multiple_results else [out]
 
-        diff = tuple(i for i, s in enumerate(ins) if self.needs[s])
+        # stop_gradient: its output needs no gradient (a zero cotangent would still reach merges
+        # and casts, with a scale of its own)
+        diff = () if prim.name == "stop_gradient" else tuple(i for i, s in enumerate(ins) if self.needs[s])
         if diff:
             def f(*dx: Any) -> list[Any]:
                 xs = list(vals)
@@ -254,6 +256,8 @@ class _Tape:
         outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
                 for v in out_vals]
         node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals), axes=_named_axes(eqn.params))
+        # normalizers are tracked through values that need no gradient too (running statistics)
+        node.norm = self._normalizes(prim.name, ins, outs, out_vals) and vjp is not None
         if vjp is not None:
             node.widenable = widenable(eqn.params)  # not the bind params: custom rules' are functions
             if node.widenable:
@@ -265,7 +269,6 @@ class _Tape:
             self._classify(node, eqn, vals)
             node.factor = _amplification(prim.name, vals, [self.known.get(s) for s in ins], diff,
                                          node.wide, out_vals)
-            node.norm = self._normalizes(prim.name, ins, outs, out_vals)
             self.nodes.append(node)
         if prim.name in _KEEPS_VALUE and len(ins) == 1 and len(outs) == 1 and np.size(out_vals[0]) == 1:
             c = vals[0] if not isinstance(vals[0], jax.core.Tracer) else self.known.get(ins[0])

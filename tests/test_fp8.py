@@ -196,6 +196,60 @@ def test_saturation_lowers_the_lift_and_training_skips_nothing():
     assert int(optax.tree.get(s, "skipped")) == 0 and losses[-1] < losses[0]
 
 
+class _Normed(nn.Module):
+    """Dense → GELU → a normalization in bf16 (``rsqrt``, no fp32 upcast; its statistics held
+    fixed, as running statistics are, so the cotangent has one path through it) → Dense: the first
+    Dense's small weights give the norm a small-variance input to amplify."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(64, dtype=jnp.bfloat16, kernel_init=nn.initializers.normal(0.01))(x))
+        stats = jax.lax.stop_gradient(h)
+        mu = jnp.mean(stats, -1, keepdims=True)
+        h = (h - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(stats - mu), -1, keepdims=True) + 1e-6)
+        return nn.Dense(10, dtype=jnp.bfloat16)(nn.Dense(64, dtype=jnp.bfloat16)(x) + h)
+
+
+def test_a_cast_after_a_16_bit_normalization_reads_its_own_max():
+    """A normalization's backward multiplies by 1/σ of its input, which no decision sees: the
+    layer before a 16-bit norm (JAX: times ``rsqrt`` of data; torch: ``nn.LayerNorm`` under bf16
+    autocast) casts at its own max, and nothing saturates; elsewhere the decisions hold. (Where
+    the cotangent also flows back through the norm's statistics, the paths merge at its input,
+    and the merge fits their sum.)"""
+    torch = pytest.importorskip("torch")
+    import torch_bridge
+    _, _, x, y = _case("mlp")
+    params = _Normed().init(jax.random.PRNGKey(0), x)
+    cfg = AdaLossConfig(grad_format="float8_e4m3fn")
+    vg = jax_adaloss.value_and_grad(lambda p: xent(_Normed().apply(p, x), y), config=cfg, return_report=True)
+    _, rep = jax.jit(lambda p: vg(p, adaloss_state=None))(params)
+    current = {k.split("/")[1]: bool(r.current) for k, r in rep.layers.items() if r.current is not None}
+    assert current == {"Dense_0": True, "Dense_1": False, "Dense_2": False}
+    assert max(float(r.saturated) for r in rep.layers.values() if r.saturated is not None) <= cfg.saturation
+
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64)
+            self.head = torch.nn.Linear(64, 10)
+            self.ln = torch.nn.LayerNorm(64, elementwise_affine=False)
+            torch.nn.init.normal_(self.a.weight, std=0.01)
+
+        def forward(self, x):
+            return self.head(self.b(x) + self.ln(torch.nn.functional.gelu(self.a(x))))
+    torch.manual_seed(0)
+    model = Normed()
+    scaler = torch_bridge.AdaLossScaler(model, cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(torch.tensor(np.asarray(x))).float(),
+                                                 torch.tensor(np.asarray(y), dtype=torch.long))
+    scaler.scale(loss).backward()
+    reports = scaler.layer_reports()
+    assert {k: bool(r.current) for k, r in reports.items() if r.current is not None} == {
+        "a.weight": True, "b.weight": False, "head.weight": False}
+    assert max(float(r.saturated) for r in reports.values() if r.saturated is not None) <= cfg.saturation
+
+
 def test_operands_are_read_in_fp8_by_every_gemm_forward_and_backward():
     """``operand_format``: each layer's input and weight quantized to e4m3 at their own power of
     two, read by the forward GEMM and both backward GEMMs, the gradient passed straight through:
