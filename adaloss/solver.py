@@ -41,7 +41,8 @@ quantized to the format as carried, and the decision sets the scale of the layer
     and the power-of-two floor of step 3.
 
 A narrowing cast in fp8 (the loss cotangent) reads its tensor anyway: its scale is
-``u_max / max|g|`` (no entry saturates), bounded and rounded the same way.
+``u_max / max|g|`` (no entry saturates), bounded and rounded the same way; a merge in fp8
+fits the sum of its branches the same way (:func:`fp8_merge_scale`).
 """
 
 from __future__ import annotations
@@ -423,8 +424,8 @@ def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturate
     ``b``), the powers of two by which the normal model says the scale overshot: the measured
     tail puts the format's max at ``z = √2·erfinv(1 − saturated)`` standard deviations, the
     decision meant ``z_sat``, so ``b = ceil(log2(z_sat / z))``, at least 1 and at most
-    :data:`MAX_LIFT` (one step, not one power of two per step: a norm's backward between the
-    decision and the cast may amplify its output many times). Else the fraction below the
+    :data:`MAX_LIFT` (one step, not one power of two per step: a gain no decision models, between
+    the decision and the cast, may amplify its output many times). Else the fraction below the
     smallest normal over ``T`` where the quantized tensor has room to double below the max
     (``2·max|q| ≤ u_max``: no entry would saturate), 0 where it has none."""
     sat = saturated / config.saturation

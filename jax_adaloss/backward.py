@@ -34,8 +34,11 @@ per equation, so the reverse sweep is ours and knows, for every
   scale it carries, and both backward GEMMs read that tensor (converted back, times the
   layer's scale, then the dot: the pattern XLA's GPU rewriter makes FP8 GEMMs of); the
   layer's decision sets its output's scale for the next layer's cast from statistics it
-  has before the dgrad GEMM runs. Only a cast no decision set (the first after the loss)
-  reads its tensor's ``max|g|`` first (per-tensor current scaling).
+  has before the dgrad GEMM runs. Only a cast no decision fitted (the first after the loss,
+  one after a normalization's 16-bit backward) reads its tensor's ``max|g|`` first (per-tensor
+  current scaling); a merge fits the sum of its branches from their maxima;
+- with ``config.operand_format`` every layer's input and weight are quantized to that format
+  (per-tensor current scaling) before its forward GEMM, which the vjp then differentiates.
 """
 
 from __future__ import annotations
