@@ -78,6 +78,9 @@ def summary(rows: list[Row], tol: float = TOL) -> list[str]:
     after_lower = _count(rows, lambda r: _med(r, ada_warm) < _med(r, "delayed-16 after"))
     nan = _count(rows, lambda r: not np.isfinite(r["delayed-16 cold"]["median"]))
     exact = _count(rows, lambda r: _med(r, "current exact") < _med(r, "current") * (1 - tol))
+    sharp = [r for r in rows if r.get("logits", 1.0) != 1.0]
+    confident = len(sharp)
+    exact_confident = _count(sharp, lambda r: _med(r, "current exact") < _med(r, "current") * (1 - tol))
     one = _count(rows, lambda r: abs(_med(r, "cast-only") - _med(r, "adaloss")) <= tol * _med(r, "adaloss"))
     own = sorted({(r["runs"][0]["adaloss"]["own_max"], r["runs"][0]["adaloss"]["casts"]) for r in rows})
     worst_sat = max(run["adaloss"]["saturated"] for r in rows for run in r["runs"])
@@ -92,10 +95,11 @@ def summary(rows: list[Row], tol: float = TOL) -> list[str]:
         f"scaling's history holds the batch's amax): adaloss within {tol:.0%} of delayed scaling or lower "
         f"on {warm} of {n} rows, of current scaling on {warm_cur} of {n}. Current scaling with the exact "
         "scale (`max|g|` mapped to the format's "
-        f"max, not a power of two below it) is more than {tol:.0%} better than with a power of two on "
-        f"{exact} of {n} rows (on tensors this small a few entries near `max|g|`, such as the loss "
-        "cotangent's target entries, carry much of the norm, and an exact scale represents the largest "
-        "exactly); adaloss's scales are powers of two.",
+        f"max, not a power of two below it, as delayed scaling's is) is more than {tol:.0%} better than "
+        f"with a power of two on {exact} of {n} rows ({exact_confident} of {confident} at logits ×10): "
+        "with two or three mantissa bits the few largest entries carry much of a tensor's norm, and an "
+        "exact scale represents the largest exactly; adaloss's scales are powers of two unless "
+        "`power_of_two=False` (the rule table below).",
         f"- **one scale for the whole backward** (`cast-only`): within {tol:.0%} of adaloss on "
         f"{one} of {n} rows: at these depths and at initialisation one scale fits every layer's range.",
         f"- **a spike** (one step at the loss ×1000 after those 16): lower on {spike} of {n} rows; "
