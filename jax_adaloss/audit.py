@@ -5,7 +5,8 @@ it can cast it, so the cast cannot fuse with the op that produces the tensor; a 
 before the GEMM that produces the tensor can. :func:`fp8_casts` finds every conversion to an
 fp8 dtype in a traced function and says which kind each is, from the data flow alone: a cast
 *reads its own max* when a full reduction (one number out) of data that reached it from the
-GEMMs producing it lies on its input's path. Per-row reductions (a LayerNorm's or softmax's
+GEMMs producing it lies on its input's path (a GEMM whose output reaches the cast only through
+a scalar, a scale decided from an earlier tensor, is not one of those). Per-row reductions (a LayerNorm's or softmax's
 backward) are the ops' own arithmetic and do not count.
 """
 
@@ -72,6 +73,15 @@ def _full_reduction(e: _Eqn) -> bool:
     return is_reduce and all(math.prod(a.shape) <= 1 for a in e.out_avals)
 
 
+def _scalar(eqns: list[_Eqn], producer: dict[int, int], v: int) -> bool:
+    """Value ``v`` holds one number (a scale), by its producer's output type."""
+    p = producer.get(v)
+    if p is None:
+        return False
+    e = eqns[p]
+    return math.prod(e.out_avals[e.outs.index(v)].shape) <= 1
+
+
 def fp8_casts(fun: Callable[..., Any] | jcore.ClosedJaxpr, *args: Any, **kwargs: Any) -> list[Fp8Cast]:
     """Every conversion to an fp8 dtype in ``fun(*args, **kwargs)`` (traced with
     ``jax.make_jaxpr``; or a ``ClosedJaxpr``), in program order, each with whether its scale
@@ -84,18 +94,22 @@ def fp8_casts(fun: Callable[..., Any] | jcore.ClosedJaxpr, *args: Any, **kwargs:
         if e.prim != "convert_element_type" or not _is_fp8(e.params.get("new_dtype")) \
                 or _is_fp8(e.in_dtypes[0]):
             continue
-        # the ops between the GEMMs that produced this tensor's data and the cast
-        region, sources, stack = set(), set(), [e.ins[0]]
+        # the ops between the GEMMs that produced this tensor's data and the cast; a GEMM
+        # reached only through a scalar (a scale: a decision made from an earlier tensor) is
+        # not one of them
+        region, sources, seen, stack = set(), set(), set(), [(e.ins[0], True)]
         while stack:
-            v = stack.pop()
+            v, data = stack.pop()
             p = producer.get(v)
-            if p is None or p in region:
+            if p is None or (p, data) in seen:
                 continue
+            seen.add((p, data))
             if eqns[p].prim in _GEMMS:
-                sources.update(eqns[p].outs)
+                if data:
+                    sources.update(eqns[p].outs)
                 continue
             region.add(p)
-            stack.extend(eqns[p].ins)
+            stack.extend((i, data and not _scalar(eqns, producer, i)) for i in eqns[p].ins)
         tainted, own = set(sources), False
         for p in sorted(region):
             if any(i in tainted for i in eqns[p].ins):

@@ -60,7 +60,7 @@ from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import rescale as _rescale
-from jax_adaloss.weight_grads import dot_weight_grad, wide_vjp, widenable
+from jax_adaloss.weight_grads import dot_weight_grad, dtype_of, wide_vjp, widenable
 
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -859,7 +859,7 @@ class _Sweep:
         d = d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
         self.limited[node.name] = d.unrounded < d.model_scale
-        act_ct = node.vjp([_rescale(g, d.scale)])[node.act]
+        act_ct = self._input_grad(node, g, d.scale)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if node.wgt >= 0:
             w_ct = self._weight_grad(node, g)
@@ -868,6 +868,20 @@ class _Sweep:
             pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
             held = _any([self.limited[n] for n in sorted(behind)])
             self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
+
+    def _input_grad(self, node: _Node, g: Any, scale: Any) -> Any:
+        """The layer's input cotangent ``vjp_x(s·g)``. For a ``dot_general`` with power-of-two
+        scales, ``s·vjp_x(g)`` instead: the dot accumulated in fp32 (as a 16-bit dot is), times
+        ``s``, rounded once to the input's dtype. Bitwise the same (a power of two commutes
+        with fp32's rounding; the caps keep every product finite), without a pass over ``g``:
+        the scale rides on the dot's output, whose conversion to 16 bits reads it anyway."""
+        prim, params, vals = node.eqn
+        if prim.name != "dot_general" or not self.config.power_of_two:
+            return node.vjp([_rescale(g, scale)])[node.act]
+        x = node.diff[node.act]
+        out = dot_weight_grad(_like(g, self.tape.values[node.outs[0]]), vals[1 - x], vals[x],
+                              params["dimension_numbers"], x, params.get("precision"))
+        return (out * scale).astype(dtype_of(vals[x]))
 
     def _fit_current(self, g: Any, incoming: Any) -> tuple[Any, Any]:
         """Per-tensor current scaling where no decision fitted ``incoming`` to the fp8 format
@@ -940,7 +954,7 @@ class _Sweep:
         self._decided(outgoing, frozenset({node.name}))
         self._fit(outgoing)
         self.limited[node.name] = d.unrounded < d.model_scale
-        act_ct = node.vjp([_rescale(gq, d.scale)])[node.act]
+        act_ct = self._input_grad(node, gq, d.scale)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if self.reporting:
             pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
@@ -1069,22 +1083,21 @@ def _settled(x: Any) -> Any:
 def _stored(x: Any) -> Any:
     """``x`` (a ≤16-bit float tensor; others unchanged) as the result of a reduction, so that
     XLA writes it to memory instead of fusing the elementwise sums that computed it into every
-    consumer: ``¾x + ¼x`` in fp32 for fp16 (exact: at most 11 significant bits, 13 after ×¾,
-    and ¼ of fp16's smallest subnormal is an fp32 normal), ``1·x + 0·x`` for bfloat16 (whose
-    range is fp32's: a quarter of its smallest normals would be flushed); bitwise, but for −0
-    (+0) and a bfloat16 ±inf (NaN: a non-finite step either way).
+    consumer: the maximum of ``x`` and ``−inf`` over a trailing axis of two, in ``x``'s own
+    dtype: bitwise ``x`` (−0 included), but for a negative NaN, which XLA:CPU's maximum may
+    turn into ``−inf`` (non-finite either way: the step is skipped).
 
     A merged cotangent (the residual stream) feeds only fusible consumers (the next merge's
     rescale and max-abs, a cast decision's statistics), so without this XLA recomputes the
     whole chain of merges above each point of the stream: compile and step time grow with
     the square of the depth. A reduction is never fused into its consumers. The two terms
-    lie on a trailing axis: XLA:CPU reduces a leading axis of two ~3× slower. (A maximum
-    with −inf would keep −0, but XLA:CPU turns negative NaNs into −inf there.)"""
+    lie on a trailing axis: XLA:CPU reduces a leading axis of two ~3× slower; in the 16-bit
+    dtype with no product, the pass costs about half of a sum in fp32 on XLA:CPU
+    (``lax.optimization_barrier`` does not do it: XLA:CPU removes it before fusion)."""
     dtype = jnp.result_type(x)
     if not (_is_float(dtype) and dtype.itemsize <= 2):
         return x
-    split = (0.75, 0.25) if dtype == jnp.float16 else (1.0, 0.0)
-    return jnp.sum(x.astype(_F32)[..., None] * jnp.array(split, _F32), axis=-1).astype(dtype)
+    return jnp.max(jnp.stack([x, jnp.full_like(x, -jnp.inf)], axis=-1), axis=-1)
 
 
 def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
