@@ -6,8 +6,8 @@ before the GEMM that produces the tensor can. :func:`fp8_casts` finds every conv
 fp8 dtype in a traced function and says which kind each is, from the data flow alone: a cast
 *reads its own max* when a full reduction (one number out) of data that reached it from the
 GEMMs producing it lies on its input's path (a GEMM whose output reaches the cast only through
-a scalar, a scale decided from an earlier tensor, is not one of those). Per-row reductions (a LayerNorm's or softmax's
-backward) are the ops' own arithmetic and do not count.
+a scalar, a scale decided from an earlier tensor, is not one of those). Per-row reductions (a
+LayerNorm's or softmax's backward) are the ops' own arithmetic and do not count.
 """
 
 from __future__ import annotations
