@@ -25,10 +25,14 @@ def torch_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per depth, adaloss / baseline ratios and the absolute seconds/ms."""
-    lines = ["| blocks | layout | params | trace | compile (s) | HLO ops | temp mem | grad step | "
-             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| blocks | layout | params | trace | compile (s) | HLO ops | bytes | temp mem | grad step | "
+             "train compile | train step (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q, g, ms = r["ratio"], r["grad"], r["median_ms"]
         train = (f"{q['train_compile']:.2f}× | {q['train_step']:.2f}× ({ms['step_ada']:.1f} vs "
@@ -37,6 +41,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['blocks']} | {r['layout']} | {r['parameters'] / 1e6:.2f}M | {q['trace']:.2f}× | "
             f"{q['compile']:.2f}× "
             f"({g['adaloss']['compile_s']:.1f} vs {g['jax']['compile_s']:.1f}) | {q['hlo_ops']:.2f}× | "
+            f"{_ratio(q.get('bytes'))} | "
             f"{q['temp_memory']:.2f}× | {q['grad_step']:.2f}× ({ms['grad_ada']:.1f} vs "
             f"{ms['grad_jax']:.1f}) | {train} |")
     return "\n".join(lines)
@@ -52,7 +57,9 @@ def section(result: dict[str, Any]) -> list[str]:
            "Ratios are adaloss / baseline: the gradient against `jax.value_and_grad`, the training "
            "step (gradient, unscaling, skip, Adam) against `jmp.DynamicLossScale`, timed in "
            f"alternation (median of {a['repeats']} rounds of {a['steps']} calls); training steps up "
-           f"to {a['train_blocks']} blocks. `{result.get('machine', '')}`; a shared 2-core CPU, noisy "
+           f"to {a['train_blocks']} blocks; bytes: what the compiled gradient's instructions read "
+           "and write, by XLA's cost analysis (a scanned body counted once). "
+           f"`{result.get('machine', '')}`; a shared 2-core CPU, noisy "
            "(compare ratios, not absolute times).", ""]
     out += [table([r for r in rows if r["layout"] != "torch"]), ""]
     torch_rows = [r for r in rows if r["layout"] == "torch"]

@@ -127,7 +127,7 @@ def measure(blocks: int, scanned: bool, vocab: int, dim: int, heads: int, seq: i
     ms = _time(runs, repeats, steps)
     return {"blocks": blocks, "layout": "scanned" if scanned else "unrolled",
             "variants": [{"name": k, "compile_s": records[k]["compile_s"], "hlo_ops": records[k]["hlo_ops"],
-                          "step_ms": ms[k]} for k in fns]}
+                          "bytes_accessed": records[k]["bytes_accessed"], "step_ms": ms[k]} for k in fns]}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

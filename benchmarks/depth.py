@@ -8,8 +8,9 @@ unrolled (a Python loop) or scanned (``nn.scan``, MaxText-style).
 For each depth, two jitted functions of the same model and batch are compared:
 
 - the gradient: ``jax_adaloss.value_and_grad`` against ``jax.value_and_grad``: trace,
-  lowering and compile seconds, instructions in the optimised HLO, compiled temp memory,
-  median step time;
+  lowering and compile seconds, instructions in the optimised HLO, the bytes its instructions
+  access (XLA's cost analysis; a scanned body counted once), compiled temp memory, median step
+  time;
 - the training step (gradient, unscaling, non-finite skip, Adam): ``adaloss()`` chained with
   ``optax.adam`` against ``jmp.DynamicLossScale`` (GradScaler's defaults) around
   ``jax.value_and_grad`` and the same Adam, timed in alternation.
@@ -95,7 +96,16 @@ def _compile(fn: Any, *args: Any) -> tuple[Any, dict[str, float]]:
     mem = compiled.memory_analysis()
     return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
                       "hlo_ops": _hlo_size(compiled.as_text()),
-                      "temp_bytes": getattr(mem, "temp_size_in_bytes", float("nan"))}
+                      "temp_bytes": getattr(mem, "temp_size_in_bytes", float("nan")),
+                      "bytes_accessed": bytes_accessed(compiled)}
+
+
+def bytes_accessed(compiled: Any) -> float:
+    """XLA's cost analysis of ``compiled``: the bytes its instructions read and write (a loop's
+    body counted once), a machine-independent proxy for the passes over memory."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("bytes accessed", float("nan")))
 
 
 def _time(runs: dict[str, Any], repeats: int, steps: int) -> dict[str, float]:
@@ -185,6 +195,7 @@ def measure(blocks: int, vocab: int, dim: int, heads: int, seq: int, batch: int,
             "ratio": {"trace": ada_c["trace_s"] / jax_c["trace_s"],
                       "compile": ada_c["compile_s"] / jax_c["compile_s"],
                       "hlo_ops": ada_c["hlo_ops"] / jax_c["hlo_ops"],
+                      "bytes": ada_c["bytes_accessed"] / jax_c["bytes_accessed"],
                       "temp_memory": ada_c["temp_bytes"] / max(jax_c["temp_bytes"], 1),
                       "grad_step": ms["grad_ada"] / ms["grad_jax"]}
             | ({"train_compile": train_c["adaloss"]["compile_s"] / train_c["dynamic"]["compile_s"],

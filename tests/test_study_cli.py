@@ -262,7 +262,7 @@ def test_depth_benchmark_runs_every_layout(tmp_path, capsys):
     for layout in ("unrolled", "scanned"):
         ratio = layouts[layout]["ratio"]
         assert all(np.isfinite(v) and v > 0 for v in ratio.values()), ratio
-        assert {"compile", "hlo_ops", "train_step"} <= set(ratio)
+        assert {"compile", "hlo_ops", "bytes", "train_step"} <= set(ratio)
     assert layouts["torch"]["ratio"]["train_step"] > 0
     printed = capsys.readouterr().out
     assert "| 1 | scanned |" in printed and (tmp_path / "d.json").exists()
@@ -287,7 +287,7 @@ def test_cost_breakdown_removes_one_part_per_variant(tmp_path, capsys):
     assert names == ["jax"] + [name for name, _ in cost_breakdown.ABLATIONS]
     ops = [v["hlo_ops"] for v in row["variants"][1:-1]]  # adaloss .. "- rescales"
     assert all(a > b for a, b in zip(ops, ops[1:])), dict(zip(names[1:], ops))
-    assert all(v["compile_s"] > 0 and v["step_ms"] > 0 for v in row["variants"])
+    assert all(v["compile_s"] > 0 and v["step_ms"] > 0 and v["bytes_accessed"] > 0 for v in row["variants"])
     from adaloss_study.cost_tables import section
     page = "\n".join(section(json.loads((tmp_path / "c.json").read_text())))
     assert page.startswith("## Where the JAX overhead goes") and "| 1 | unrolled | - decisions |" in page
