@@ -60,7 +60,7 @@ from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import rescale as _rescale
-from jax_adaloss.weight_grads import dot_weight_grad, dtype_of, wide_vjp, widenable
+from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, wide_vjp, widenable
 
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -872,15 +872,17 @@ class _Sweep:
     def _input_grad(self, node: _Node, g: Any, scale: Any) -> Any:
         """The layer's input cotangent ``vjp_x(s·g)``. For a ``dot_general`` with power-of-two
         scales, ``s·vjp_x(g)`` instead: the dot accumulated in fp32 (as a 16-bit dot is), times
-        ``s``, rounded once to the input's dtype. Bitwise the same (a power of two commutes
-        with fp32's rounding; the caps keep every product finite), without a pass over ``g``:
-        the scale rides on the dot's output, whose conversion to 16 bits reads it anyway."""
+        ``s``, rounded once to the input's dtype. Bitwise the same where the input is the dot's
+        lhs (a power of two commutes with fp32's rounding; the caps keep every product finite;
+        an rhs input's dot takes its operands in the other order, whose sums may round
+        differently), without a pass over ``g``: the scale rides on the dot's output, whose
+        conversion to 16 bits reads it anyway."""
         prim, params, vals = node.eqn
         if prim.name != "dot_general" or not self.config.power_of_two:
             return node.vjp([_rescale(g, scale)])[node.act]
         x = node.diff[node.act]
-        out = dot_weight_grad(_like(g, self.tape.values[node.outs[0]]), vals[1 - x], vals[x],
-                              params["dimension_numbers"], x, params.get("precision"))
+        out = dot_operand_grad(_like(g, self.tape.values[node.outs[0]]), vals[1 - x], vals[x],
+                               params["dimension_numbers"], x, params.get("precision"))
         return (out * scale).astype(dtype_of(vals[x]))
 
     def _fit_current(self, g: Any, incoming: Any) -> tuple[Any, Any]:
@@ -971,8 +973,8 @@ class _Sweep:
         w = node.diff[node.wgt]
         x = 1 - w  # the other operand (the group sizes of a ragged dot come third)
         if prim.name == "dot_general":
-            return dot_weight_grad(g, vals[x], vals[w], params["dimension_numbers"], w,
-                                   params.get("precision"))
+            return dot_operand_grad(g, vals[x], vals[w], params["dimension_numbers"], w,
+                                    params.get("precision"))
         return wide_vjp(prim, params, vals, (w,))([g])[0]
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:

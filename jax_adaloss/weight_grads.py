@@ -7,7 +7,8 @@ batch and can exceed fp16's 65504 long before any activation cotangent does. So:
 - the weight gradient of a ``dot_general`` layer is one ``dot_general`` of the
   fp16 cotangent and the fp16 activation with ``preferred_element_type=float32``
   (fp16 operands, fp32 accumulation and result: what tensor cores do anyway,
-  without the final rounding to fp16);
+  without the final rounding to fp16); the same transpose gives a layer's input
+  cotangent in fp32, which the backward scales and then rounds to 16 bits;
 - every other equation whose differentiated input comes from the weights (the
   fp32→fp16 cast of a master weight, transposes, reshapes, bias broadcasts, a
   convolution's weight, an embedding gather) is transposed with its 16-bit float
@@ -45,10 +46,12 @@ def widen(x: Any) -> Any:
     return x.astype(_F32) if is_narrow_float(dtype_of(x)) else x
 
 
-def dot_weight_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: int,
-                    precision: Any = None) -> jax.Array:
+def dot_operand_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: int,
+                     precision: Any = None) -> jax.Array:
     """The cotangent of operand ``w`` (0: lhs, 1: rhs) of ``dot_general(lhs, rhs)`` for the
-    output cotangent ``g``, with ``act`` the other operand, accumulated and returned in fp32.
+    output cotangent ``g``, with ``act`` the other operand, accumulated and returned in fp32:
+    a weight's gradient (``weight`` the weight, ``act`` the layer's input), or a layer's input
+    cotangent before its scale and its rounding to 16 bits (the roles swapped).
 
     The transpose of a ``dot_general`` with respect to one operand is a ``dot_general`` of
     the output cotangent with the other operand: contract ``g``'s dimensions that came from

@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import jax_adaloss
-from jax_adaloss.weight_grads import dot_weight_grad
+from jax_adaloss.weight_grads import dot_operand_grad
 
 DOTS = [  # (lhs shape, rhs shape, dimension numbers)
     ((3, 4), (4, 5), (((1,), (0,)), ((), ()))),  # x @ W
@@ -26,14 +26,14 @@ DOTS = [  # (lhs shape, rhs shape, dimension numbers)
 
 @pytest.mark.parametrize("w", [0, 1])
 @pytest.mark.parametrize("lhs, rhs, dims", DOTS)
-def test_dot_weight_grad_is_the_transpose_in_fp32(lhs, rhs, dims, w):
+def test_dot_operand_grad_is_the_transpose_in_fp32(lhs, rhs, dims, w):
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.normal(size=lhs), jnp.float16)
     b = jnp.asarray(rng.normal(size=rhs), jnp.float16)
     out, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims), a.astype(jnp.float32),
                        b.astype(jnp.float32))
     g = jnp.asarray(rng.normal(size=out.shape), jnp.float16)
-    got = dot_weight_grad(g, b if w == 0 else a, a if w == 0 else b, dims, w)
+    got = dot_operand_grad(g, b if w == 0 else a, a if w == 0 else b, dims, w)
     assert got.dtype == jnp.float32
     # the same products summed in fp32; an rhs weight's dot takes its operands in the other
     # order (act first: XLA:CPU's fast matmul), so the sums may round differently
@@ -84,3 +84,37 @@ def test_fp32_backward_reference_keeps_every_cotangent_in_fp32():
         exact = float(jnp.linalg.norm(grads[k].unscale() - ref[k]))
         rounded = float(jnp.linalg.norm(plain[k].astype(jnp.float32) - ref[k]))
         assert exact <= rounded, k
+
+
+@pytest.mark.parametrize("name, grad_format", [("mlp", "float16"), ("gpt", "float16"),
+                                               ("gpt", "float8_e5m2")])
+def test_input_cotangent_scaled_after_its_dot_is_the_rescaled_cotangents(name, grad_format):
+    """A layer sends ``s·vjp_x(g)`` (the dot in fp32, then ``s``, one rounding) instead of
+    ``vjp_x(s·g)``: with power-of-two scales the same scales and gradients, bitwise."""
+    from unittest import mock
+
+    from models import make_case, xent
+
+    from jax_adaloss.backward import _rescale, _Sweep
+
+    cls, params, x, y = make_case(name, jax.random.key(0))
+    dtype = jnp.bfloat16 if grad_format.startswith("float8") else jnp.float16
+    model = cls(dtype=dtype)
+    cfg = jax_adaloss.AdaLossConfig(grad_format=grad_format)
+
+    def loss(p):
+        return xent(model.apply(p, x).astype(jnp.float32), y) * 1e-3
+
+    def run():
+        vg = jax.jit(jax_adaloss.value_and_grad(loss, config=cfg, return_report=True))
+        return vg(params, adaloss_state=None)
+
+    (_, grads), rep = run()
+    with mock.patch.object(_Sweep, "_input_grad",
+                           lambda self, node, g, s: node.vjp([_rescale(g, s)])[node.act]):
+        (_, old), old_rep = run()
+    assert set(rep.layers) == set(old_rep.layers)
+    for n in rep.layers:
+        assert float(rep.layers[n].scale) == float(old_rep.layers[n].scale), n
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(old)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
