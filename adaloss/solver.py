@@ -522,17 +522,21 @@ def lift_factor(k: Array, xp: Any) -> Array:
     return _pow2(xp.astype(k, xp.int32), xp)
 
 
-def subnormal_fraction(x: Array, config: AdaLossConfig, xp: Any, absmax: Array | None = None) -> Array:
+def subnormal_fraction(x: Array, config: AdaLossConfig, xp: Any, absmax: Array | None = None,
+                       count: Callable[[Array], Array] | None = None) -> Array:
     """Fraction of the non-zero entries of ``x`` (as carried) below ``u_min`` in magnitude, in
     fp32 (0 when all are zero): the underflow ``T`` bounds, counted. Zeros are left out, as
     they may be exact (ReLU, masks). With ``absmax`` (``max|x|``) given: 0 where ``x`` has no
     room to double below ``u_max`` (a larger scale would overflow; no lift can help there).
 
-    Two counts in ``x``'s own dtype (``u_min`` is a power of two, exact in every format):
-    the non-zero entries, and those below ``u_min``, zeros included."""
+    Two counts of ``x`` compared in its own dtype (``u_min`` is a power of two, exact in every
+    format): the non-zero entries, and those below ``u_min``, zeros included. ``count`` (the
+    number of true entries of a boolean array, exactly; default ``xp.count_nonzero``) lets a
+    framework count its fastest way."""
+    count = xp.count_nonzero if count is None else count
     size = math.prod(x.shape)
-    nonzero = xp.count_nonzero(x)
-    below = xp.count_nonzero(xp.abs(x) < config.underflow_limit) - (size - nonzero)
+    nonzero = count(x != 0)
+    below = count(xp.abs(x) < config.underflow_limit) - (size - nonzero)
     frac = xp.astype(below, xp.float32) / xp.astype(xp.maximum(nonzero, xp.ones_like(nonzero)), xp.float32)
     if absmax is None:
         return frac

@@ -849,7 +849,7 @@ class _Sweep:
         g_ext = solver.magnitude_stats(g, jnp, moments=False)
         behind = self._decided_by(incoming)
         if cfg.underflow_feedback:
-            frac = solver.subnormal_fraction(g, cfg, jnp, solver.absmax(g_ext, jnp))
+            frac = solver.subnormal_fraction(g, cfg, jnp, solver.absmax(g_ext, jnp), _count)
             for name in behind:
                 self.fractions[name].append(frac)
         w_ext = None if weight is None else solver.magnitude_stats(weight, jnp, moments=False)
@@ -1080,6 +1080,18 @@ def _settled(x: Any) -> Any:
     # several scales (a decision's own and its outgoing one): one reduction, fewer kernels
     out = jnp.max(jnp.stack(leaves)[:, None] * halves, axis=1)
     return jax.tree.unflatten(tree, [out[i] for i in range(len(leaves))])
+
+
+#: below this many entries, a sum of fp32 0/1 values is exact in any order
+_EXACT_F32_COUNT = 2**24
+
+
+def _count(mask: Any) -> Any:
+    """The number of true entries of ``mask``, exactly: a sum of fp32 0/1 values below
+    :data:`_EXACT_F32_COUNT` entries (about twice as fast as an integer count on XLA:CPU),
+    an int32 count above."""
+    dtype = _F32 if math.prod(np.shape(mask)) < _EXACT_F32_COUNT else jnp.int32
+    return jnp.sum(mask, dtype=dtype)
 
 
 def _stored(x: Any) -> Any:

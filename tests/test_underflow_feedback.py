@@ -236,3 +236,23 @@ def test_nnx_optimizer_state_carries_the_lifts_the_backward_applies():
     k = int(lifts["l2"]["kernel"][...])
     assert float(lifted.layers["l2/kernel"].model_scale) == pytest.approx(
         2.0**k * float(plain.layers["l2/kernel"].model_scale), rel=1e-6)
+
+
+def test_jax_backward_counts_exactly_as_count_nonzero(monkeypatch):
+    """The JAX backward's fp32 count (below 2^24 entries) and int32 count (above) give the
+    fractions ``count_nonzero`` gives, bit for bit."""
+    from jax_adaloss import backward
+
+    cfg = AdaLossConfig()
+    rng = np.random.default_rng(0)
+    for dtype in (jnp.float16, jnp.bfloat16):
+        x = rng.standard_normal((257, 129)) * 2.0 ** rng.integers(-30, 4, (257, 129))
+        x = jnp.asarray(np.where(rng.random(x.shape) < 0.2, 0.0, x), dtype)
+        ref = solver.subnormal_fraction(x, cfg, jnp)
+        assert 0 < float(ref) < 1
+        assert solver.subnormal_fraction(x, cfg, jnp, count=backward._count) == ref
+        assert backward._count(x != 0).dtype == jnp.float32
+        monkeypatch.setattr(backward, "_EXACT_F32_COUNT", 8)  # the int32 path
+        assert backward._count(x != 0).dtype == jnp.int32
+        assert solver.subnormal_fraction(x, cfg, jnp, count=backward._count) == ref
+        monkeypatch.undo()
