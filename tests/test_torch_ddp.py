@@ -1,4 +1,4 @@
-"""torch DistributedDataParallel (2 gloo ranks, HF GPT2) with AdaLossScaler: every rank ends with
+"""torch DistributedDataParallel and FSDP2 (2 gloo ranks, HF GPT2) with AdaLossScaler: every rank ends with
 the single-process full-batch gradients, bitwise the same on both, and the same skip decision.
 
 The ranks get uneven data (rank 1 has 2 valid labels per sequence, the rest padding), so their
@@ -144,17 +144,96 @@ def test_without_unscaling_in_the_backward_ddp_averages_incompatible_scales(tmp_
     assert differ
 
 
-def test_fsdp_is_refused_with_the_remedy(tmp_path):
-    from torch.distributed.fsdp import fully_shard
+def _shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 as its docs apply it: each GPT2 block, then the whole model; fp32 reductions."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def _fsdp_rank(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        fully_shard(model)
-        with pytest.raises(NotImplementedError, match="DistributedDataParallel"):
-            torch_bridge.AdaLossScaler(model)
+        results = {}
+        for factor in FACTORS:
+            model, ids, labels = _problem()
+            _shard(model)
+            scaler = torch_bridge.AdaLossScaler(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            weight = factor * WORLD / _total_labels(labels)  # FSDP2 averages, as DDP does
+            scaler.scale(_loss(model, ids[mine], labels[mine], weight)).backward()
+            scaler.unscale_(opt)
+            grads = {n: (p.grad.full_tensor().double() / factor).numpy() for n, p in model.named_parameters()}
+            scales = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
+            scaler.step(opt)
+            scaler.update()
+            after_one = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+            poison = float("nan") if rank == 1 else 1.0  # rank 0's shards are all finite
+            scaler.scale(poison * _loss(model, ids[mine], labels[mine], weight)).backward()
+            scaler.step(opt)
+            scaler.update()
+            unchanged = all(torch.equal(p.full_tensor(), after_one[n]) for n, p in model.named_parameters())
+            results[factor] = {"grads": grads, "scales": scales, "skipped": scaler.skipped_steps,
+                               "unchanged": unchanged}
+        model, ids, labels = _problem()
+        _shard(model, param_dtype=torch.float16)
+        scaler = torch_bridge.AdaLossScaler(model)
+        loss = _loss(model, ids[:PER_RANK], labels[:PER_RANK], 1.0)
+        try:
+            scaler.scale(loss)
+            results["f16_params"] = None
+        except ValueError as e:
+            results["f16_params"] = str(e)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("fsdp")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_fsdp_rank, args=(f"file://{tmp / 'init'}", str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+def test_fsdp2_shards_hold_the_full_batch_gradients(fsdp_ranks, factor):
+    r0, r1 = fsdp_ranks[0][factor], fsdp_ranks[1][factor]
+    assert r0["scales"] != r1["scales"], "the uneven data should make the ranks choose different scales"
+    assert len(r0["scales"]) > 4, "the unsharded parameters must be named: layers found"
+    ada, fp32 = _single_process(factor)
+    own = grad_error(ada, fp32).worst
+    for r in (r0, r1):
+        assert grad_error(r["grads"], fp32).worst < 2 * own
+        assert grad_error(r["grads"], ada).worst < 5e-3
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+def test_fsdp2_a_non_finite_shard_on_one_rank_skips_the_step_on_every_rank(fsdp_ranks, factor):
+    for r in fsdp_ranks:
+        assert r[factor]["skipped"] == 1
+        assert r[factor]["unchanged"]
+
+
+def test_fsdp2_with_fp16_parameters_is_refused_with_the_remedy(fsdp_ranks):
+    for r in fsdp_ranks:
+        assert r["f16_params"] is not None and "torch.autocast" in r["f16_params"]
+
+
+def test_fsdp1_is_refused_with_the_remedy():
+    """FSDP1 needs an accelerator to wrap a module; its type is what the scaler refuses."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    torch.nn.Module.__init__(wrapped)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), wrapped)
+    with pytest.raises(NotImplementedError, match="fully_shard"):
+        torch_bridge.AdaLossScaler(model)
 
 
 def test_unscaling_in_the_backward_gives_the_gradients_unscale_gives_bitwise():

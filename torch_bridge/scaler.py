@@ -41,6 +41,7 @@ from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
 from torch_bridge.regions import RegionScales, found_total
+from torch_bridge.sharded import agree_found_inf, fsdp2_modules, local_grad, refuse_fsdp1, unsharded_names
 
 _F32 = torch.float32
 
@@ -84,7 +85,13 @@ class AdaLossScaler:
                  unscale_in_backward: bool | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
-        _refuse_sharded(model)
+        refuse_fsdp1(model)
+        #: FSDP2: gradients are unscaled as autograd delivers them, the inf/NaN check all-reduced
+        self._sharded = bool(fsdp2_modules(model))
+        if self._sharded and unscale_in_backward is False:
+            raise ValueError("unscale_in_backward=False with fully_shard (FSDP2): FSDP2 reduce-scatters "
+                             "each gradient in its post-backward hook, so ranks' per-layer scales must "
+                             "be removed before it; leave unscale_in_backward=None.")
         config = AdaLossConfig() if config is None else config
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
@@ -160,13 +167,16 @@ class AdaLossScaler:
         prepared = root.metadata.get("adaloss")
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
-        plan = ScalePlan(root, parameter_names(self._model), cast_rule=self._config.cast_rule,
+        names = parameter_names(self._model)
+        if self._sharded:  # the forward used unsharded copies: name them after the shards
+            names = {**names, **unsharded_names(self._model)}
+        plan = ScalePlan(root, names, cast_rule=self._config.cast_rule,
                          cache=self._plans, norms=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if plan.fresh:
-            _refuse_sharded(self._model)
+            refuse_fsdp1(self._model)
             _warn_coverage(plan)
-        self._at_leaf = (_data_parallel() if self.unscale_in_backward is None
+        self._at_leaf = self._sharded or (_data_parallel() if self.unscale_in_backward is None
                          else bool(self.unscale_in_backward))
         self._coverage = plan.coverage
         hidden: list[torch.Tensor] = []
@@ -305,23 +315,29 @@ class AdaLossScaler:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
+                grad = local_grad(p.grad)
+                if grad.is_sparse:
                     raise NotImplementedError("AdaLossScaler does not support sparse gradients "
                                               "(use nn.Embedding(sparse=False))")
-                if p.grad.dtype == torch.float16:
+                if grad.dtype == torch.float16:
                     raise ValueError(_FP16_GRADS)
-                dev = p.grad.device
+                dev = grad.device
                 entry = self._pending.pop(id(p), None)
                 if entry is None:
                     scale = ones.setdefault(dev, torch.ones((), dtype=_F32, device=dev))
                 else:
                     scale = entry[1]
-                key = (id(scale), dev, p.grad.dtype)
-                groups.setdefault(key, (scale, []))[1].append(p.grad)
+                key = (id(scale), dev, grad.dtype)
+                groups.setdefault(key, (scale, []))[1].append(grad)
                 found.setdefault(dev, torch.zeros((), dtype=_F32, device=dev))
+        if self._sharded and not found:  # no gradient in this rank's shards: still agree
+            dev = local_grad(next(self._model.parameters())).device
+            found[dev] = torch.zeros((), dtype=_F32, device=dev)
         with torch.no_grad():
             for (_, dev, _), (scale, grads) in groups.items():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found[dev], scale.reciprocal())
+        if self._sharded:
+            agree_found_inf(found)
         state["stage"] = _Stage.UNSCALED
 
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -454,22 +470,6 @@ def _data_parallel() -> bool:
     """Whether gradients may be reduced across ranks: ``torch.distributed`` initialized, >1 rank."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _refuse_sharded(model: torch.nn.Module) -> None:
-    """FSDP reduce-scatters, in its own backward hooks, the gradients of unsharded copies of the
-    parameters, which the scaler neither names nor unscales: refuse it rather than leave
-    gradients scaled silently."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
-        raise NotImplementedError(
-            "AdaLossScaler does not support FSDP (fully_shard / FullyShardedDataParallel) yet: it "
-            "reduce-scatters the gradients of unsharded parameter copies the scaler does not see. Use "
-            "DistributedDataParallel (supported: gradients are unscaled before its all-reduce), or "
-            "torch.amp.GradScaler with FSDP.")
 
 
 def _warn_coverage(plan: ScalePlan) -> None:
