@@ -136,6 +136,7 @@ def test_non_finite_gradient_skips_the_step_and_keeps_state():
     opt = torch.optim.Adam(model.parameters(), 1e-2)
     scaler = AdaLossScaler(model)
     _train(model, scaler, opt, 2)
+    assert not scaler.last_step_skipped
     params = [p.detach().clone() for p in model.parameters()]
     moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     x, y = _batch()
@@ -144,11 +145,11 @@ def test_non_finite_gradient_skips_the_step_and_keeps_state():
     scaler.scale(_loss(model, x, y)).backward()
     assert scaler.step(opt) is None
     scaler.update()
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == 1 and scaler.last_step_skipped
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
     _train(model, scaler, opt, 1)  # and training goes on
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == 1 and not scaler.last_step_skipped
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
 
 
@@ -287,7 +288,7 @@ def test_apex_scale_loss_context():
         scaled.backward()
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == 1 and scaler.last_step_skipped
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     opt.zero_grad()
     with scaler.scale_loss(_loss(model, x, y), opt) as scaled:

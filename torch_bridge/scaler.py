@@ -112,6 +112,7 @@ class AdaLossScaler:
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._iteration = 0  # update() calls
         self._skipped = 0
+        self._last_skipped = False
         self._model_scales: dict[str, torch.Tensor] = {}
         self._spreads: dict[str, Any] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # scale of p.grad now
@@ -140,6 +141,15 @@ class AdaLossScaler:
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because a gradient was not finite."""
         return self._skipped
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` (or ``scale_loss`` exit) skipped the optimizer step because
+        a gradient was not finite. ``step`` read that flag already: no further host sync. An LR
+        scheduler can follow it (``if not scaler.last_step_skipped: scheduler.step()``); trainers
+        that detect a skip by ``optimizer.step`` not being called (Accelerate, HF ``Trainer``)
+        see it too."""
+        return self._last_skipped
 
     @property
     def iteration(self) -> int:
@@ -259,7 +269,8 @@ class AdaLossScaler:
         if not self._enabled:
             return
         self.unscale_(optimizer)
-        if self._found_inf(optimizer):
+        self._last_skipped = self._found_inf(optimizer)
+        if self._last_skipped:
             self._skipped += 1
             _skip_next_step(optimizer)
         self._per_optimizer[id(optimizer)]["stage"] = _Stage.STEPPED
@@ -362,7 +373,8 @@ class AdaLossScaler:
         if not state["found_inf"]:
             state["stage"] = _Stage.READY
         retval = None
-        if self._found_inf(optimizer):
+        self._last_skipped = self._found_inf(optimizer)
+        if self._last_skipped:
             self._skipped += 1
         else:
             retval = optimizer.step(*args, **kwargs)

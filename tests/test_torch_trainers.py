@@ -1,0 +1,113 @@
+"""AdaLossScaler under the trainers fp16 users run (HF Accelerate, Lightning), tiny HF GPT2 on CPU.
+
+Each trainer takes the scaler where it takes a ``GradScaler``; the tests pin that the trainer's own
+loop (accumulation, clipping after ``unscale_``, checkpoints) gives what a hand-written
+AdaLossScaler loop gives, and that a skipped step is seen where the trainer looks for one.
+Accelerate turns native fp16 off on CPU, so its GPU path is emulated (``native_amp = True``:
+the same autocast and scaler calls it makes on a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import torch_bridge
+from adaloss_zoo import torch_zoo as tz
+
+accelerate = pytest.importorskip("accelerate")
+
+ACCUM = 2  # micro-batches per optimizer step
+CLIP = 1.0
+
+
+def _model() -> torch.nn.Module:
+    model, _ = tz.CASES["hf-gpt2"].build(0)
+    model.eval()  # no dropout: the runs compare bitwise
+    return model
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    return [tz._tokens(10 + i, batch=2) for i in range(n)]
+
+
+def _lm_loss(model: torch.nn.Module, ids: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss * factor
+
+
+def _optim(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+
+
+def _hand_loop(batches: list[torch.Tensor], factors: list[float]) -> tuple[torch.nn.Module, list[float]]:
+    """The reference: a plain loop with the scaler, as the scaler's docs write it."""
+    model = _model()
+    opt, sched = _optim(model)
+    scaler = torch_bridge.AdaLossScaler(model)
+    for k in range(0, len(batches), ACCUM):
+        for ids, f in zip(batches[k:k + ACCUM], factors[k:k + ACCUM]):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _lm_loss(model, ids, f)
+            scaler.scale(loss.float() / ACCUM).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        scaler.step(opt)
+        scaler.update()
+        if not scaler.last_step_skipped:
+            sched.step()
+        opt.zero_grad()
+    return model, sched.get_last_lr()
+
+
+def _accelerate_loop(batches: list[torch.Tensor], factors: list[float], save: str | None = None,
+                     load: str | None = None) -> tuple[torch.nn.Module, Any, list[bool], Any]:
+    """The recipe: the scaler set as ``accelerator.scaler`` before ``prepare()``."""
+    from accelerate import Accelerator
+
+    model = _model()
+    opt, sched = _optim(model)
+    acc = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=ACCUM, cpu=True)
+    acc.native_amp = True  # emulates the GPU path (Accelerate turns native fp16 off on CPU)
+    acc.scaler = torch_bridge.AdaLossScaler(model)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    if load is not None:
+        acc.load_state(load)
+    skipped = []
+    for ids, f in zip(batches, factors):
+        with acc.accumulate(model):
+            acc.backward(_lm_loss(model, ids, f))
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if acc.sync_gradients:
+                skipped.append(acc.optimizer_step_was_skipped)
+    if save is not None:
+        acc.save_state(save)
+    return model, sched.get_last_lr(), skipped, acc.scaler
+
+
+def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pa = dict(a.named_parameters())
+    return all(torch.equal(p, pa[n]) for n, p in b.named_parameters())
+
+
+def test_accelerate_recipe_trains_as_the_hand_written_loop_and_sees_a_skipped_step(tmp_path):
+    batches = _batches(3 * ACCUM)
+    factors = [1.0] * len(batches)
+    factors[2 * ACCUM] = math.nan  # the third optimizer step's first micro-batch
+    ref, ref_lr = _hand_loop(batches, factors)
+    model, lr, skipped, scaler = _accelerate_loop(batches, factors, save=str(tmp_path / "ckpt"))
+    assert skipped == [False, False, True]
+    assert scaler.skipped_steps == 1 and scaler.last_step_skipped
+    assert lr == ref_lr == [1e-3 * 0.5**2]  # the scheduler did not step on the skipped step
+    assert _same_params(ref, model)
+    # resume through Accelerate's own checkpoint: the scaler's state comes back
+    _, _, _, resumed = _accelerate_loop([], [], load=str(tmp_path / "ckpt"))
+    assert resumed.iteration == scaler.iteration == 3
+    assert resumed.skipped_steps == 1 and resumed.backoff == scaler.backoff == 1
