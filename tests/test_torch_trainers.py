@@ -111,3 +111,56 @@ def test_accelerate_recipe_trains_as_the_hand_written_loop_and_sees_a_skipped_st
     _, _, _, resumed = _accelerate_loop([], [], load=str(tmp_path / "ckpt"))
     assert resumed.iteration == scaler.iteration == 3
     assert resumed.skipped_steps == 1 and resumed.backoff == scaler.backoff == 1
+
+
+def _lightning_run(batches: list[torch.Tensor], factors: list[float], steps: int,
+                   hold_scheduler: bool = True) -> tuple[torch.nn.Module, Any, Any]:
+    """The recipe: ``MixedPrecision("16-mixed", ..., scaler=AdaLossScaler(module))``; the
+    scheduler held on a skipped step by ``lr_scheduler_step`` reading ``last_step_skipped``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            ids, f = batch
+            return _lm_loss(self.net, ids, float(f)).float()
+
+        def configure_optimizers(self) -> Any:
+            opt, sched = _optim(self.net)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            if not (hold_scheduler and scaler.last_step_skipped):
+                scheduler.step()
+
+    module = LM()
+    scaler = torch_bridge.AdaLossScaler(module)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=ACCUM,
+                         gradient_clip_val=CLIP, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    data = torch.utils.data.DataLoader(list(zip(batches, factors)), batch_size=None)
+    trainer.fit(module, data)
+    return module.net, trainer, scaler
+
+
+def test_lightning_recipe_trains_as_the_hand_written_loop_and_holds_the_scheduler_on_a_skip(tmp_path):
+    pytest.importorskip("lightning")
+    batches = _batches(3 * ACCUM)
+    factors = [1.0] * len(batches)
+    factors[2 * ACCUM] = math.nan
+    ref, ref_lr = _hand_loop(batches, factors)
+    model, trainer, scaler = _lightning_run(batches, factors, steps=3)
+    assert scaler.skipped_steps == 1 and scaler.last_step_skipped
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == ref_lr == [1e-3 * 0.5**2]
+    assert _same_params(ref, model)
+    # Lightning's checkpoint carries the scaler's state (the precision plugin's state_dict)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    fresh = torch_bridge.AdaLossScaler(model)
+    fresh.load_state_dict(ckpt["MixedPrecision"])
+    assert fresh.iteration == 3 and fresh.skipped_steps == 1 and fresh.backoff == 1

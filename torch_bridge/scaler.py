@@ -77,7 +77,8 @@ class AdaLossScaler:
         this: ``DistributedDataParallel`` all-reduces each gradient bucket as soon as it is
         ready, and ranks that chose different scales would average incompatible values.
         ``None`` (default): on when ``torch.distributed`` is initialized with more than one
-        rank. Exact for power-of-two scales (the default), as unscaling after the backward.
+        rank, and always for a ``fully_shard`` (FSDP2) model (:mod:`torch_bridge.sharded`).
+        Exact for power-of-two scales (the default), as unscaling after the backward.
     """
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,

@@ -41,7 +41,7 @@ def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def refuse_fsdp1(model: torch.nn.Module) -> None:
-    """FSDP1 (``FullyShardedDataParallel``) flattens parameters into ``FlatParameter``s whose
+    """FSDP1 (``FullyShardedDataParallel``) flattens parameters into ``FlatParameter`` objects whose
     gradients the scaler cannot name or unscale: refuse it with the remedy."""
     if not torch.distributed.is_available():
         return
