@@ -148,7 +148,7 @@ def test_readme_fits_a_newcomer():
     steps = [s for s in snippets if not s.startswith("# FSDP2")]
     assert len(steps) == 3 and all(len(s.splitlines()) <= 12 for s in steps)
     recipes = [s.split("\n\n") for s in snippets if s.startswith("# FSDP2")][0]  # each ≤ 10 lines
-    assert len(recipes) == 3 and all(len(r.strip().splitlines()) <= 10 for r in recipes)
+    assert len(recipes) == 4 and all(len(r.strip().splitlines()) <= 10 for r in recipes)
     first_screen = "\n".join(lines[:60])
     assert "jax_adaloss.value_and_grad" in first_screen and "AdaLossScaler" in first_screen
     assert "](docs/default/underflow.png)" in text

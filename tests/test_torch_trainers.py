@@ -1,4 +1,5 @@
-"""AdaLossScaler under the trainers fp16 users run (HF Accelerate, Lightning), tiny HF GPT2 on CPU.
+"""AdaLossScaler under the trainers fp16 users run (HF Accelerate and Trainer, Lightning), tiny
+HF GPT2 on CPU.
 
 Each trainer takes the scaler where it takes a ``GradScaler``; the tests pin that the trainer's own
 loop (accumulation, clipping after ``unscale_``, checkpoints) gives what a hand-written
@@ -26,7 +27,9 @@ CLIP = 1.0
 
 def _model() -> torch.nn.Module:
     model, _ = tz.CASES["hf-gpt2"].build(0)
-    model.eval()  # no dropout: the runs compare bitwise
+    for m in model.modules():  # no dropout, also where a trainer calls model.train()
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
     return model
 
 
@@ -164,3 +167,42 @@ def test_lightning_recipe_trains_as_the_hand_written_loop_and_holds_the_schedule
     fresh = torch_bridge.AdaLossScaler(model)
     fresh.load_state_dict(ckpt["MixedPrecision"])
     assert fresh.iteration == 3 and fresh.skipped_steps == 1 and fresh.backoff == 1
+
+
+def test_hf_trainer_recipe_trains_as_the_hand_written_loop_and_holds_the_scheduler_on_a_skip(tmp_path):
+    """The recipe: a ``Trainer`` subclass that installs the scaler on the Accelerator it builds
+    (before ``train()`` prepares the model and optimizer)."""
+    from transformers import Trainer, TrainingArguments
+
+    batches = _batches(3 * ACCUM)
+    factors = [1.0] * len(batches)
+    factors[2 * ACCUM] = math.nan
+    ref, ref_lr = _hand_loop(batches, factors)
+
+    class AdaLossTrainer(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            self.accelerator.native_amp = True  # emulates the GPU path, as above
+            self.accelerator.scaler = torch_bridge.AdaLossScaler(self.model)
+
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:  # the hand loop's order
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return _lm_loss(model, inputs["input_ids"], inputs["factor"])
+
+    model = _model()
+    opt, sched = _optim(model)
+    data = [{"input_ids": ids, "factor": f} for ids, f in zip(batches, factors)]
+    args = TrainingArguments(str(tmp_path), fp16=True, use_cpu=True, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=ACCUM, max_steps=3, max_grad_norm=CLIP,
+                             report_to=[], save_strategy="no", remove_unused_columns=False,
+                             disable_tqdm=True, logging_strategy="no")
+    trainer = AdaLossTrainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched),
+                             data_collator=lambda rows: {"input_ids": rows[0]["input_ids"],
+                                                         "factor": rows[0]["factor"]})
+    trainer.train()
+    scaler = trainer.accelerator.scaler
+    assert scaler.iteration == 3 and scaler.skipped_steps == 1
+    assert sched.get_last_lr() == ref_lr == [1e-3 * 0.5**2]
+    assert _same_params(ref, model)
