@@ -6,12 +6,13 @@ from typing import Any
 
 from adaloss_study.commands import benchmark_command
 
-_FLAGS = ("blocks", "dim", "seq", "per_device", "factor", "repeats", "steps", "frameworks")
+_FLAGS = ("blocks", "dim", "seq", "per_device", "factor", "repeats", "steps", "torch_dim", "torch_layers",
+          "torch_seq", "frameworks")
 
 
 def command(args: dict[str, Any]) -> str:
-    """The command line that wrote a JSON with these ``args``."""
-    return benchmark_command("benchmarks/data_parallel.py", _FLAGS, args)
+    """The command line that wrote a JSON with these ``args`` (the flags it recorded)."""
+    return benchmark_command("benchmarks/data_parallel.py", [k for k in _FLAGS if k in args], args)
 
 
 def table(jx: dict[str, Any]) -> str:
@@ -26,8 +27,15 @@ def table(jx: dict[str, Any]) -> str:
 
 def torch_line(t: dict[str, Any]) -> str:
     ms = t["median_ms"]
-    return (f"torch DDP, {t['ranks']} gloo ranks, HF GPT2 2×128, training step: AdaLossScaler "
+    model = f"HF GPT2 {t.get('layers', 2)}×{t.get('dim', 128)}"
+    if "params" in t:
+        model += f" ({t['params'] / 1e6:.2f}M parameters, {t['seq']} tokens × 4 sequences per rank)"
+    line = (f"torch, {t['ranks']} gloo ranks, {model}, training step: DDP: AdaLossScaler "
             f"{ms['adaloss']:.1f} ms, GradScaler {ms['gradscaler']:.1f} ms ({t['ratio']:.2f}×)")
+    if "ratio_fsdp2" in t:
+        line += (f"; FSDP2: AdaLossScaler {ms['adaloss fsdp2']:.1f} ms, GradScaler "
+                 f"{ms['gradscaler fsdp2']:.1f} ms ({t['ratio_fsdp2']:.2f}×)")
+    return line
 
 
 def section(result: dict[str, Any]) -> list[str]:
@@ -45,6 +53,6 @@ def section(result: dict[str, Any]) -> list[str]:
                 "the scalar ones); errors are the worst per-parameter ‖g − g_ref‖/‖g_ref‖ (attention "
                 "key biases, analytically zero, left out).", "", table(j), ""]
     if "torch" in result:
-        out += [torch_line(result["torch"]) + ". DDP's traffic is unchanged (the same fp32 buckets); "
-                "the gradients are unscaled in the backward, before its hooks.", ""]
+        out += [torch_line(result["torch"]) + ". The traffic is unchanged (the same fp32 buckets or "
+                "shards); the gradients are unscaled in the backward, before DDP's or FSDP2's hooks.", ""]
     return out

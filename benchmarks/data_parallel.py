@@ -12,9 +12,10 @@ in the compiled HLO (count and bytes: the communication), median step time, and 
 unscaled gradients against the one-device full batch (adaloss) and against the loss-x1 gradients
 (as in the model zoo).
 
-torch: HF GPT2 (tiny config) in ``DistributedDataParallel`` on 2 gloo ranks, a training step with
-``AdaLossScaler`` (gradients unscaled in the backward) against ``torch.amp.GradScaler``, timed in
-alternation on rank 0. DDP's traffic is the same by construction (fp32 buckets, same hooks).
+torch: HF GPT2 (``--torch-dim``, ``--torch-layers``) in ``DistributedDataParallel`` and under FSDP2
+(``fully_shard`` per block, fp32 reductions) on 2 gloo ranks, a training step with ``AdaLossScaler``
+(gradients unscaled in the backward) against ``torch.amp.GradScaler``, timed in alternation on
+rank 0. The traffic is the same by construction (fp32 buckets or shards, the same hooks).
 
 Not a test: timings depend on the machine (here, 2 cores shared by every device or rank).
 """
@@ -128,10 +129,23 @@ def measure_jax(devices: int, blocks: int, dim: int, seq: int, per_device: int, 
             "factor": factor, "rows": rows}
 
 
-def _torch_rank(rank: int, init: str, out: str, repeats: int, steps: int) -> None:
+def _gpt2(dim: int, layers: int, seq: int) -> Any:
+    """HF GPT2 at the given width and depth (the zoo's config otherwise), no dropout."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=1000, n_positions=seq, n_embd=dim, n_layer=layers, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _torch_rank(rank: int, init: str, out: str, repeats: int, steps: int, dim: int, layers: int,
+                seq: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     import torch_bridge
@@ -139,39 +153,51 @@ def _torch_rank(rank: int, init: str, out: str, repeats: int, steps: int) -> Non
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    ids = tz._tokens(rank, batch=4, seq=64)
+    ids = tz._tokens(rank, batch=4, seq=seq)
     runs = {}
-    for name in ("adaloss", "gradscaler"):
-        model, _ = tz.CASES["hf-gpt2"].build(0)
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
-        scaler = (torch_bridge.AdaLossScaler(ddp) if name == "adaloss"
-                  else torch.amp.GradScaler("cpu"))
+    for wrap in ("ddp", "fsdp2"):
+        for method in ("adaloss", "gradscaler"):
+            model = _gpt2(dim, layers, seq)
+            if wrap == "ddp":
+                model = DistributedDataParallel(model)
+            else:
+                policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+                for block in model.transformer.h:
+                    fully_shard(block, mp_policy=policy)
+                fully_shard(model, mp_policy=policy)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            scaler = (torch_bridge.AdaLossScaler(model) if method == "adaloss"
+                      else torch.amp.GradScaler("cpu"))
 
-        def step(ddp: Any = ddp, opt: Any = opt, scaler: Any = scaler) -> None:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits = ddp(input_ids=ids).logits.float()
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        step()
-        runs[name] = step
+            def step(model: Any = model, opt: Any = opt, scaler: Any = scaler) -> None:
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(input_ids=ids).logits.float()
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            step()
+            runs[method if wrap == "ddp" else f"{method} fsdp2"] = step
     ms = _time(runs, repeats, steps)
     if rank == 0:
-        Path(out).write_text(json.dumps(ms))
+        params = sum(p.numel() for p in _gpt2(dim, layers, seq).parameters())
+        Path(out).write_text(json.dumps({"ms": ms, "params": params}))
     dist.destroy_process_group()
 
 
-def measure_torch(repeats: int, steps: int) -> dict[str, Any]:
+def measure_torch(repeats: int, steps: int, dim: int, layers: int, seq: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ms.json"
-        mp.spawn(_torch_rank, args=(f"file://{tmp}/init", str(out), repeats, steps), nprocs=2, join=True)
-        ms = json.loads(out.read_text())
-    return {"ranks": 2, "median_ms": ms, "ratio": ms["adaloss"] / ms["gradscaler"]}
+        mp.spawn(_torch_rank, args=(f"file://{tmp}/init", str(out), repeats, steps, dim, layers, seq),
+                 nprocs=2, join=True)
+        got = json.loads(out.read_text())
+    ms = got["ms"]
+    return {"ranks": 2, "dim": dim, "layers": layers, "seq": seq, "params": got["params"], "median_ms": ms,
+            "ratio": ms["adaloss"] / ms["gradscaler"],
+            "ratio_fsdp2": ms["adaloss fsdp2"] / ms["gradscaler fsdp2"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -183,6 +209,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--factor", type=float, default=1e-3, help="loss multiplier (the study's regime)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--torch-dim", type=int, default=128, help="HF GPT2 width (torch)")
+    ap.add_argument("--torch-layers", type=int, default=2, help="HF GPT2 blocks (torch)")
+    ap.add_argument("--torch-seq", type=int, default=64, help="tokens per sequence (torch)")
     ap.add_argument("--frameworks", nargs="+", choices=("jax", "torch"), default=["jax", "torch"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -194,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"loss x{args.factor:g}")
         print(table(result["jax"]))
     if "torch" in args.frameworks:
-        result["torch"] = measure_torch(args.repeats, args.steps)
+        result["torch"] = measure_torch(args.repeats, args.steps, args.torch_dim, args.torch_layers,
+                                        args.torch_seq)
         print(torch_line(result["torch"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

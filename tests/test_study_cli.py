@@ -317,3 +317,22 @@ def test_data_parallel_benchmark_counts_the_all_reduces(tmp_path):
     from adaloss_study.parallel_tables import section
     page = "\n".join(section(result))
     assert page.startswith("## Data parallelism") and "| adaloss vma |" in page
+
+
+def test_data_parallel_torch_line_reads_old_and_new_records():
+    """The results page's torch line: DDP alone (records before FSDP2 was measured) and DDP with
+    FSDP2 and the model's size."""
+    from adaloss_study.parallel_tables import command, torch_line
+    old = {"ranks": 2, "median_ms": {"adaloss": 208.6, "gradscaler": 176.4}, "ratio": 1.18}
+    assert "HF GPT2 2×128" in torch_line(old) and "FSDP2" not in torch_line(old)
+    new = {**old, "dim": 256, "layers": 4, "seq": 128, "params": 3.4e6, "ratio_fsdp2": 1.05,
+           "median_ms": {"adaloss": 208.6, "gradscaler": 176.4, "adaloss fsdp2": 210.0,
+                         "gradscaler fsdp2": 200.0}}
+    line = torch_line(new)
+    assert "HF GPT2 4×256 (3.40M parameters" in line and "FSDP2: AdaLossScaler 210.0 ms" in line
+    assert "(1.05×)" in line
+    args = {"blocks": 2, "dim": 128, "seq": 64, "per_device": 4, "factor": 1e-3, "repeats": 5, "steps": 3,
+            "frameworks": ["torch"], "json": "x.json"}
+    assert "--torch-dim" not in command(args)
+    assert "--torch-dim 256 --torch-layers 4" in command({**args, "torch_dim": 256, "torch_layers": 4,
+                                                          "torch_seq": 128})

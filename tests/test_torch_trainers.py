@@ -1,5 +1,5 @@
-"""AdaLossScaler under the trainers fp16 users run (HF Accelerate and Trainer, Lightning), tiny
-HF GPT2 on CPU.
+"""AdaLossScaler under the trainers fp16 users run (HF Accelerate and Trainer, Lightning and
+Fabric), tiny HF GPT2 on CPU.
 
 Each trainer takes the scaler where it takes a ``GradScaler``; the tests pin that the trainer's own
 loop (accumulation, clipping after ``unscale_``, checkpoints) gives what a hand-written
@@ -206,3 +206,45 @@ def test_hf_trainer_recipe_trains_as_the_hand_written_loop_and_holds_the_schedul
     assert scaler.iteration == 3 and scaler.skipped_steps == 1
     assert sched.get_last_lr() == ref_lr == [1e-3 * 0.5**2]
     assert _same_params(ref, model)
+
+
+def test_fabric_recipe_trains_as_the_hand_written_loop_and_checkpoints_the_scaler(tmp_path):
+    """Fabric: the precision plugin takes the scaler; ``fabric.save``/``load`` carry it as any
+    object with a ``state_dict``."""
+    pytest.importorskip("lightning")
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    batches = _batches(3 * ACCUM)
+    factors = [1.0] * len(batches)
+    factors[2 * ACCUM] = math.nan
+    ref, ref_lr = _hand_loop(batches, factors)
+
+    def run(load: bool) -> tuple[torch.nn.Module, Any, Any]:
+        model = _model()
+        scaler = torch_bridge.AdaLossScaler(model)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        opt, sched = _optim(model)
+        wrapped, opt = fabric.setup(model, opt)
+        state = {"model": wrapped, "optimizer": opt, "scaler": scaler}
+        if load:
+            fabric.load(tmp_path / "ckpt", state)
+            return model, sched, scaler
+        for k in range(0, len(batches), ACCUM):
+            for ids, f in zip(batches[k:k + ACCUM], factors[k:k + ACCUM]):
+                fabric.backward(_lm_loss(wrapped, ids, f) / ACCUM)
+            # a skipped step's norm is inf, as with GradScaler: clip without raising
+            fabric.clip_gradients(wrapped, opt, max_norm=CLIP, error_if_nonfinite=False)
+            opt.step()
+            if not scaler.last_step_skipped:
+                sched.step()
+            opt.zero_grad()
+        fabric.save(tmp_path / "ckpt", state)
+        return model, sched, scaler
+
+    model, sched, scaler = run(load=False)
+    assert scaler.skipped_steps == 1 and sched.get_last_lr() == ref_lr == [1e-3 * 0.5**2]
+    assert _same_params(ref, model)
+    restored, _, resumed = run(load=True)
+    assert resumed.iteration == 3 and resumed.skipped_steps == 1 and resumed.backoff == 1
+    assert _same_params(ref, restored)
