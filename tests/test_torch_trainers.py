@@ -223,7 +223,8 @@ def test_fabric_recipe_trains_as_the_hand_written_loop_and_checkpoints_the_scale
     def run(load: bool) -> tuple[torch.nn.Module, Any, Any]:
         model = _model()
         scaler = torch_bridge.AdaLossScaler(model)
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         opt, sched = _optim(model)
         wrapped, opt = fabric.setup(model, opt)
         state = {"model": wrapped, "optimizer": opt, "scaler": scaler}
