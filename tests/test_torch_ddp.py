@@ -169,6 +169,7 @@ def _fsdp_rank(rank: int, init: str, out: str) -> None:
             scaler.unscale_(opt)
             grads = {n: (p.grad.full_tensor().double() / factor).numpy() for n, p in model.named_parameters()}
             scales = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
+            carried = {k: float(v) for k, v in scaler.grad_scales().items()}
             scaler.step(opt)
             scaler.update()
             after_one = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
@@ -178,7 +179,8 @@ def _fsdp_rank(rank: int, init: str, out: str) -> None:
             scaler.update()
             unchanged = all(torch.equal(p.full_tensor(), after_one[n]) for n, p in model.named_parameters())
             results[factor] = {"grads": grads, "scales": scales, "skipped": scaler.skipped_steps,
-                               "unchanged": unchanged}
+                               "unchanged": unchanged, "carried": carried,
+                               "names": [n for n, _ in model.named_parameters()]}
         model, ids, labels = _problem()
         _shard(model, param_dtype=torch.float16)
         scaler = torch_bridge.AdaLossScaler(model)
@@ -206,6 +208,8 @@ def test_fsdp2_shards_hold_the_full_batch_gradients(fsdp_ranks, factor):
     r0, r1 = fsdp_ranks[0][factor], fsdp_ranks[1][factor]
     assert r0["scales"] != r1["scales"], "the uneven data should make the ranks choose different scales"
     assert len(r0["scales"]) > 4, "the unsharded parameters must be named: layers found"
+    # every gradient reached FSDP2 unscaled, under its parameter's name
+    assert set(r0["carried"]) == set(r0["names"]) and set(r0["carried"].values()) == {1.0}
     ada, fp32 = _single_process(factor)
     own = grad_error(ada, fp32).worst
     for r in (r0, r1):

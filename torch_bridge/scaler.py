@@ -178,9 +178,7 @@ class AdaLossScaler:
         prepared = root.metadata.get("adaloss")
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
-        names = parameter_names(self._model)
-        if self._sharded:  # the forward used unsharded copies: name them after the shards
-            names = {**names, **unsharded_names(self._model)}
+        names = self._names()
         plan = ScalePlan(root, names, cast_rule=self._config.cast_rule,
                          cache=self._plans, norms=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
@@ -203,6 +201,12 @@ class AdaLossScaler:
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
         return outputs
+
+    def _names(self) -> dict[int, str]:
+        """``id(parameter) -> name``; under FSDP2 the unsharded copies the forward used too,
+        named after their shards."""
+        names = parameter_names(self._model)
+        return {**names, **unsharded_names(self._model)} if self._sharded else names
 
     def _backoff_state(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, finite steps since h changed), created on the first backward's device."""
@@ -417,7 +421,7 @@ class AdaLossScaler:
         (1 everywhere with ``unscale_in_backward``; :meth:`layer_reports` keeps the decisions)."""
         if self._last is None:
             return {}
-        names = parameter_names(self._model)
+        names = self._names()
         return {names[i]: s for i, (_, s) in self._last.leaf_scales.items() if i in names}
 
     def coverage(self) -> Coverage | None:
