@@ -144,23 +144,28 @@ def test_without_unscaling_in_the_backward_ddp_averages_incompatible_scales(tmp_
     assert differ
 
 
-def _shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
-    """FSDP2 as its docs apply it: each GPT2 block, then the whole model; fp32 reductions."""
+def _shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
+           reduce_dtype: torch.dtype | None = torch.float32) -> None:
+    """FSDP2 as its docs apply it: each GPT2 block, then the whole model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+#: (parameters FSDP2 gathers, loss factor): fp32 copies under fp16 autocast, and fp16 copies
+FSDP_CASES = [("fp32", 1.0), ("fp32", 1e-6), ("fp16", 1e-6)]
 
 
 def _fsdp_rank(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         results = {}
-        for factor in FACTORS:
+        for params, factor in FSDP_CASES:
             model, ids, labels = _problem()
-            _shard(model)
+            _shard(model, param_dtype=torch.float16 if params == "fp16" else None)
             scaler = torch_bridge.AdaLossScaler(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -178,18 +183,17 @@ def _fsdp_rank(rank: int, init: str, out: str) -> None:
             scaler.step(opt)
             scaler.update()
             unchanged = all(torch.equal(p.full_tensor(), after_one[n]) for n, p in model.named_parameters())
-            results[factor] = {"grads": grads, "scales": scales, "skipped": scaler.skipped_steps,
-                               "unchanged": unchanged, "carried": carried,
-                               "names": [n for n, _ in model.named_parameters()]}
+            results[params, factor] = {"grads": grads, "scales": scales, "skipped": scaler.skipped_steps,
+                                       "unchanged": unchanged, "carried": carried,
+                                       "names": [n for n, _ in model.named_parameters()]}
         model, ids, labels = _problem()
-        _shard(model, param_dtype=torch.float16)
+        _shard(model, param_dtype=torch.float16, reduce_dtype=None)  # reduced in fp16
         scaler = torch_bridge.AdaLossScaler(model)
-        loss = _loss(model, ids[:PER_RANK], labels[:PER_RANK], 1.0)
         try:
-            scaler.scale(loss)
-            results["f16_params"] = None
+            scaler.scale(_loss(model, ids[:PER_RANK], labels[:PER_RANK], 1.0))
+            results["f16_reduce"] = None
         except ValueError as e:
-            results["f16_params"] = str(e)
+            results["f16_reduce"] = str(e)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -203,30 +207,34 @@ def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("factor", FACTORS)
-def test_fsdp2_shards_hold_the_full_batch_gradients(fsdp_ranks, factor):
-    r0, r1 = fsdp_ranks[0][factor], fsdp_ranks[1][factor]
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_fsdp2_shards_hold_the_full_batch_gradients(fsdp_ranks, case):
+    """fp32 copies: as close to fp32 as the single process (within 2×); fp16 copies (an fp16
+    forward): measured 1.3e-3 worst against the single process's 1.0e-3, GradScaler's 2.3e-3."""
+    r0, r1 = fsdp_ranks[0][case], fsdp_ranks[1][case]
     assert r0["scales"] != r1["scales"], "the uneven data should make the ranks choose different scales"
     assert len(r0["scales"]) > 4, "the unsharded parameters must be named: layers found"
-    # every gradient reached FSDP2 unscaled, under its parameter's name
-    assert set(r0["carried"]) == set(r0["names"]) and set(r0["carried"].values()) == {1.0}
-    ada, fp32 = _single_process(factor)
+    # every gradient reached FSDP2 unscaled (fp16 copies: routed into its fp32 gradient)
+    assert set(r0["carried"]) == set(r0["names"])
+    if case[0] == "fp32":
+        assert set(r0["carried"].values()) == {1.0}
+    ada, fp32 = _single_process(case[1])
     own = grad_error(ada, fp32).worst
     for r in (r0, r1):
         assert grad_error(r["grads"], fp32).worst < 2 * own
         assert grad_error(r["grads"], ada).worst < 5e-3
 
 
-@pytest.mark.parametrize("factor", FACTORS)
-def test_fsdp2_a_non_finite_shard_on_one_rank_skips_the_step_on_every_rank(fsdp_ranks, factor):
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_fsdp2_a_non_finite_shard_on_one_rank_skips_the_step_on_every_rank(fsdp_ranks, case):
     for r in fsdp_ranks:
-        assert r[factor]["skipped"] == 1
-        assert r[factor]["unchanged"]
+        assert r[case]["skipped"] == 1
+        assert r[case]["unchanged"]
 
 
-def test_fsdp2_with_fp16_parameters_is_refused_with_the_remedy(fsdp_ranks):
+def test_fsdp2_fp16_parameters_reduced_in_fp16_are_refused_with_the_remedy(fsdp_ranks):
     for r in fsdp_ranks:
-        assert r["f16_params"] is not None and "torch.autocast" in r["f16_params"]
+        assert r["f16_reduce"] is not None and "reduce_dtype=torch.float32" in r["f16_reduce"]
 
 
 def test_fsdp1_is_refused_with_the_remedy():

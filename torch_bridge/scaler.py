@@ -41,7 +41,15 @@ from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
 from torch_bridge.regions import RegionScales, found_total
-from torch_bridge.sharded import agree_found_inf, fsdp2_modules, local_grad, refuse_fsdp1, unsharded_names
+from torch_bridge.sharded import (
+    agree_found_inf,
+    fp16_copies,
+    fsdp2_modules,
+    local_grad,
+    refuse_fsdp1,
+    route_unscaled,
+    unsharded_names,
+)
 
 _F32 = torch.float32
 
@@ -89,6 +97,13 @@ class AdaLossScaler:
         refuse_fsdp1(model)
         #: FSDP2: gradients are unscaled as autograd delivers them, the inf/NaN check all-reduced
         self._sharded = bool(fsdp2_modules(model))
+        # FSDP2 with fp16 copies: id(copy) -> FSDPParam, the scale its gradient carries until
+        # it is routed (unscaled into FSDP2's fp32 gradient), the post-accumulate hooks, and
+        # the sharded parameters routed since the last update()
+        self._f16: dict[int, Any] = {}
+        self._route_scales: dict[int, torch.Tensor] = {}
+        self._route_hooks: dict[int, Any] = {}
+        self._routed: set[int] = set()
         if self._sharded and unscale_in_backward is False:
             raise ValueError("unscale_in_backward=False with fully_shard (FSDP2): FSDP2 reduce-scatters "
                              "each gradient in its post-backward hook, so ranks' per-layer scales must "
@@ -182,6 +197,8 @@ class AdaLossScaler:
         plan = ScalePlan(root, names, cast_rule=self._config.cast_rule,
                          cache=self._plans, norms=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
+        if self._sharded:
+            self._hook_fp16_copies()
         if plan.fresh:
             refuse_fsdp1(self._model)
             _warn_coverage(plan)
@@ -201,6 +218,27 @@ class AdaLossScaler:
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
         return outputs
+
+    def _hook_fp16_copies(self) -> None:
+        """Hook each fp16 unsharded copy (FSDP2) once: after autograd accumulates its fp16
+        gradient, unscale it into the fp32 gradient FSDP2 reduce-scatters."""
+        self._f16 = fp16_copies(self._model)
+        me = weakref.ref(self)
+        for key, fp in self._f16.items():
+            if key not in self._route_hooks:
+                self._route_hooks[key] = fp.unsharded_param.register_post_accumulate_grad_hook(
+                    lambda param, me=me: me()._route(param) if me() is not None else None)
+
+    def _route(self, param: torch.Tensor) -> None:
+        scale = self._route_scales.pop(id(param), None)
+        if param.grad is None:
+            return
+        if scale is None:
+            raise RuntimeError("AdaLossScaler: an fp16 FSDP2 parameter received a gradient outside a "
+                               "scaled backward; call scaler.scale(loss).backward().")
+        fp = self._f16[id(param)]
+        route_unscaled(fp, param.grad, scale)
+        self._routed.add(id(fp.sharded_param))
 
     def _names(self) -> dict[int, str]:
         """``id(parameter) -> name``; under FSDP2 the unsharded copies the forward used too,
@@ -287,7 +325,10 @@ class AdaLossScaler:
         or what the last backward left) to one scale; with ``unscale_in_backward``, to scale 1."""
         if self._at_leaf:
             if grad.dtype == torch.float16:
-                raise ValueError(_FP16_GRADS)
+                if id(param) not in self._f16:
+                    raise ValueError(_FP16_GRADS)
+                self._route_scales[id(param)] = scale  # unscaled in fp32 once accumulated
+                return grad, scale
             one = self._ones.get(grad.device)
             if one is None:
                 one = self._ones[grad.device] = torch.ones((), dtype=_F32, device=grad.device)
@@ -330,6 +371,11 @@ class AdaLossScaler:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
+                    if id(p) in self._routed:
+                        raise RuntimeError(
+                            "FSDP2 did not reduce-scatter the fp32 gradient AdaLossScaler unscaled for an "
+                            f"fp16 parameter (torch {torch.__version__}): its internals may have changed. "
+                            "Use param_dtype=None with torch.autocast(dtype=torch.float16).")
                     continue
                 grad = local_grad(p.grad)
                 if grad.is_sparse:
@@ -414,6 +460,7 @@ class AdaLossScaler:
         self._ratio = {}
         self._per_optimizer.clear()
         self._pending.clear()
+        self._routed.clear()
 
     # -- telemetry ----------------------------------------------------------------------
     def grad_scales(self) -> dict[str, torch.Tensor]:

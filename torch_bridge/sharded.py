@@ -7,7 +7,9 @@ policy's ``reduce_dtype``) into the sharded parameter's ``.grad`` in its post-ba
 scaler names the unsharded copies after the sharded parameters (so that layers are found), and
 unscales every gradient as autograd delivers it (``unscale_in_backward``): what FSDP2 reduces
 then carries scale 1 on every rank, with its overlap untouched. A rank holds only its shard, so
-the inf/NaN check is all-reduced: every rank takes the same skip decision.
+the inf/NaN check is all-reduced: every rank takes the same skip decision. With fp16
+copies (``param_dtype=torch.float16``), whose gradients autograd keeps in fp16, the scaler
+unscales each into the fp32 gradient FSDP2 reduce-scatters (``reduce_dtype=torch.float32``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,9 @@ from typing import Any
 
 import torch
 
-_F16_PARAMS = ("fully_shard with MixedPrecisionPolicy(param_dtype=torch.float16): the unsharded "
-               "parameters, and so the gradients FSDP2 reduce-scatters, are fp16; unscaling them to "
-               "one common scale in fp16 would flush their small entries, which is what per-layer "
-               "scales avoid. Keep param_dtype=None (or torch.float32), reduce_dtype=torch.float32, "
-               "and run the forward under torch.autocast(dtype=torch.float16): the GEMMs still run "
-               "in fp16 and the gradients reach FSDP2 unscaled in fp32.")
+_F16_REDUCE = ("fully_shard with fp16 parameters (MixedPrecisionPolicy(param_dtype=torch.float16)) "
+               "needs reduce_dtype=torch.float32: each gradient is unscaled into an fp32 copy that "
+               "FSDP2 reduce-scatters; unscaled in fp16 its small entries would flush to zero.")
 
 
 def _fsdp_params(module: torch.nn.Module) -> list[Any]:
@@ -56,22 +55,47 @@ def refuse_fsdp1(model: torch.nn.Module) -> None:
 
 def unsharded_names(model: torch.nn.Module) -> dict[int, str]:
     """``id(unsharded parameter) -> name`` of the sharded parameter it was gathered from, for
-    every ``fully_shard``-ed module of ``model`` that has run a forward. Raises for an fp16
-    ``param_dtype`` (:data:`_F16_PARAMS`)."""
+    every ``fully_shard``-ed module of ``model`` that has run a forward."""
     prefix = {id(m): n for n, m in model.named_modules()}
     names: dict[int, str] = {}
     for module in fsdp2_modules(model):
         for fp in _fsdp_params(module):
             unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is None:
-                continue
-            if unsharded.dtype == torch.float16:
-                raise ValueError(_F16_PARAMS)
             info = fp._module_info
             owner = prefix.get(id(info.module))
-            if owner is not None:
+            if unsharded is not None and owner is not None:
                 names[id(unsharded)] = f"{owner}.{info.param_name}" if owner else info.param_name
     return names
+
+
+def fp16_copies(model: torch.nn.Module) -> dict[int, Any]:
+    """``id(unsharded parameter) -> FSDPParam`` where the policy gathers fp16 copies
+    (``param_dtype=torch.float16``): their gradients are fp16, and autograd refuses a hook that
+    changes a gradient's dtype, so each is unscaled into the fp32 gradient FSDP2 reduce-scatters
+    (:func:`route_unscaled`). Raises unless ``reduce_dtype`` is fp32 (:data:`_F16_REDUCE`)."""
+    copies: dict[int, Any] = {}
+    for module in fsdp2_modules(model):
+        for fp in _fsdp_params(module):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is None or unsharded.dtype != torch.float16:
+                continue
+            if fp.reduce_dtype != torch.float32:
+                raise ValueError(_F16_REDUCE)
+            copies[id(unsharded)] = fp
+    return copies
+
+
+def route_unscaled(fsdp_param: Any, grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """Add ``grad / scale`` (the fp16 gradient of an unsharded copy, carrying ``scale``), in
+    fp32, to the reduce-dtype gradient FSDP2 reduce-scatters (``unsharded_accumulated_grad``,
+    where it accumulates micro-batches itself), and clear ``.grad``. Exact for power-of-two
+    scales: the fp16 values are widened, then divided."""
+    unscaled = grad.to(torch.float32) * scale.reciprocal()
+    if fsdp_param.unsharded_accumulated_grad is None:
+        fsdp_param.unsharded_accumulated_grad = unscaled
+    else:
+        fsdp_param.unsharded_accumulated_grad += unscaled
+    fsdp_param.unsharded_param.grad = None
 
 
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -87,4 +111,5 @@ def agree_found_inf(found: dict[torch.device, torch.Tensor]) -> None:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
 
 
-__all__ = ["agree_found_inf", "fsdp2_modules", "local_grad", "refuse_fsdp1", "unsharded_names"]
+__all__ = ["agree_found_inf", "fp16_copies", "fsdp2_modules", "local_grad", "refuse_fsdp1", "route_unscaled",
+           "unsharded_names"]
