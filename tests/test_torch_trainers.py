@@ -117,7 +117,7 @@ def test_accelerate_recipe_trains_as_the_hand_written_loop_and_sees_a_skipped_st
 
 
 def _lightning_run(batches: list[torch.Tensor], factors: list[float], steps: int,
-                   hold_scheduler: bool = True) -> tuple[torch.nn.Module, Any, Any]:
+                   hold_scheduler: bool = True, ckpt: Any = None) -> tuple[torch.nn.Module, Any, Any]:
     """The recipe: ``MixedPrecision("16-mixed", ..., scaler=AdaLossScaler(module))``; the
     scheduler held on a skipped step by ``lr_scheduler_step`` reading ``last_step_skipped``."""
     import lightning.pytorch as pl
@@ -147,7 +147,7 @@ def _lightning_run(batches: list[torch.Tensor], factors: list[float], steps: int
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     data = torch.utils.data.DataLoader(list(zip(batches, factors)), batch_size=None)
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt)
     return module.net, trainer, scaler
 
 
@@ -161,12 +161,11 @@ def test_lightning_recipe_trains_as_the_hand_written_loop_and_holds_the_schedule
     assert scaler.skipped_steps == 1 and scaler.last_step_skipped
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == ref_lr == [1e-3 * 0.5**2]
     assert _same_params(ref, model)
-    # Lightning's checkpoint carries the scaler's state (the precision plugin's state_dict)
+    # resume through Lightning's checkpoint (it carries the precision plugin's state_dict)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
-    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    fresh = torch_bridge.AdaLossScaler(model)
-    fresh.load_state_dict(ckpt["MixedPrecision"])
-    assert fresh.iteration == 3 and fresh.skipped_steps == 1 and fresh.backoff == 1
+    _, _, resumed = _lightning_run(batches, factors, steps=3, ckpt=tmp_path / "last.ckpt")
+    assert resumed is not scaler and resumed.iteration == 3 and resumed.skipped_steps == 1
+    assert resumed.backoff == 1
 
 
 def test_hf_trainer_recipe_trains_as_the_hand_written_loop_and_holds_the_scheduler_on_a_skip(tmp_path):
@@ -191,21 +190,31 @@ def test_hf_trainer_recipe_trains_as_the_hand_written_loop_and_holds_the_schedul
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             return _lm_loss(model, inputs["input_ids"], inputs["factor"])
 
-    model = _model()
-    opt, sched = _optim(model)
     data = [{"input_ids": ids, "factor": f} for ids, f in zip(batches, factors)]
     args = TrainingArguments(str(tmp_path), fp16=True, use_cpu=True, per_device_train_batch_size=1,
                              gradient_accumulation_steps=ACCUM, max_steps=3, max_grad_norm=CLIP,
-                             report_to=[], save_strategy="no", remove_unused_columns=False,
+                             report_to=[], save_strategy="steps", save_steps=3, remove_unused_columns=False,
                              disable_tqdm=True, logging_strategy="no")
-    trainer = AdaLossTrainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched),
-                             data_collator=lambda rows: {"input_ids": rows[0]["input_ids"],
-                                                         "factor": rows[0]["factor"]})
-    trainer.train()
-    scaler = trainer.accelerator.scaler
+
+    def trainer() -> tuple[torch.nn.Module, Any, Any]:
+        model = _model()
+        opt, sched = _optim(model)
+        return model, sched, AdaLossTrainer(
+            model=model, args=args, train_dataset=data, optimizers=(opt, sched),
+            data_collator=lambda rows: {"input_ids": rows[0]["input_ids"], "factor": rows[0]["factor"]})
+
+    model, sched, first = trainer()
+    first.train()
+    scaler = first.accelerator.scaler
     assert scaler.iteration == 3 and scaler.skipped_steps == 1
     assert sched.get_last_lr() == ref_lr == [1e-3 * 0.5**2]
     assert _same_params(ref, model)
+    # resume from the Trainer's own checkpoint (scaler.pt): the scaler's state comes back
+    _, _, second = trainer()
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    resumed = second.accelerator.scaler
+    assert resumed is not scaler and resumed.iteration == 3 and resumed.skipped_steps == 1
+    assert resumed.backoff == 1
 
 
 def test_fabric_recipe_trains_as_the_hand_written_loop_and_checkpoints_the_scaler(tmp_path):
