@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,6 +55,35 @@ def _grads(model: torch.nn.Module, factor: float) -> dict[str, np.ndarray]:
     return {n: (p.grad.double() / factor).numpy() for n, p in model.named_parameters()}
 
 
+def _two_steps(wrapped: torch.nn.Module, model: torch.nn.Module, scaler: torch_bridge.AdaLossScaler,
+               ids: torch.Tensor, labels: torch.Tensor, rank: int, factor: float,
+               full: Any = lambda t: t) -> dict[str, Any]:
+    """A step on this rank's share of the batch, then one whose loss is NaN on rank 1 only (both
+    ranks must skip it). Returns the first step's unscaled gradients (÷ ``factor``), decisions,
+    carried scales and parameters, the skips, and whether the second step left the parameters
+    unchanged. ``full``: a parameter or gradient as a whole tensor (a shard's ``full_tensor``)."""
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    # DDP and FSDP2 average: each rank's loss is its share of the full-batch mean, times WORLD
+    weight = factor * WORLD / _total_labels(labels)
+    scaler.scale(_loss(wrapped, ids[mine], labels[mine], weight)).backward()
+    scaler.unscale_(opt)
+    grads = {n: (full(p.grad).double() / factor).numpy() for n, p in model.named_parameters()}
+    scales = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
+    carried = {k: float(v) for k, v in scaler.grad_scales().items()}
+    scaler.step(opt)
+    scaler.update()
+    after_one = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    poison = float("nan") if rank == 1 else 1.0
+    scaler.scale(poison * _loss(wrapped, ids[mine], labels[mine], weight)).backward()
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(full(p.detach()), after_one[n]) for n, p in model.named_parameters())
+    return {"grads": grads, "scales": scales, "carried": carried, "skipped": scaler.skipped_steps,
+            "unchanged": unchanged, "params": {n: v.numpy() for n, v in after_one.items()},
+            "names": list(after_one)}
+
+
 def _rank(rank: int, init: str, out: str, unscale_in_backward: bool | None) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
@@ -62,26 +92,7 @@ def _rank(rank: int, init: str, out: str, unscale_in_backward: bool | None) -> N
             model, ids, labels = _problem()
             ddp = DistributedDataParallel(model)
             scaler = torch_bridge.AdaLossScaler(ddp, unscale_in_backward=unscale_in_backward)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-            mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            # DDP averages: each rank's loss is its share of the full-batch mean, times WORLD
-            weight = factor * WORLD / _total_labels(labels)
-            scaler.scale(_loss(ddp, ids[mine], labels[mine], weight)).backward()
-            scaler.unscale_(opt)
-            grads = _grads(model, factor)
-            scales = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
-            scaler.step(opt)
-            scaler.update()
-            after_one = {n: p.detach().clone() for n, p in model.named_parameters()}
-            # a second step whose loss is NaN on rank 1 only: both ranks must skip it
-            poison = float("nan") if rank == 1 else 1.0
-            scaler.scale(poison * _loss(ddp, ids[mine], labels[mine], weight)).backward()
-            scaler.step(opt)
-            scaler.update()
-            unchanged = all(torch.equal(p, after_one[n]) for n, p in model.named_parameters())
-            results[factor] = {"grads": grads, "scales": scales, "skipped": scaler.skipped_steps,
-                               "unchanged": unchanged,
-                               "params": {n: v.numpy() for n, v in after_one.items()}}
+            results[factor] = _two_steps(ddp, model, scaler, ids, labels, rank, factor)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -167,25 +178,8 @@ def _fsdp_rank(rank: int, init: str, out: str) -> None:
             model, ids, labels = _problem()
             _shard(model, param_dtype=torch.float16 if params == "fp16" else None)
             scaler = torch_bridge.AdaLossScaler(model)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            weight = factor * WORLD / _total_labels(labels)  # FSDP2 averages, as DDP does
-            scaler.scale(_loss(model, ids[mine], labels[mine], weight)).backward()
-            scaler.unscale_(opt)
-            grads = {n: (p.grad.full_tensor().double() / factor).numpy() for n, p in model.named_parameters()}
-            scales = {k: float(r.scale) for k, r in scaler.layer_reports().items()}
-            carried = {k: float(v) for k, v in scaler.grad_scales().items()}
-            scaler.step(opt)
-            scaler.update()
-            after_one = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-            poison = float("nan") if rank == 1 else 1.0  # rank 0's shards are all finite
-            scaler.scale(poison * _loss(model, ids[mine], labels[mine], weight)).backward()
-            scaler.step(opt)
-            scaler.update()
-            unchanged = all(torch.equal(p.full_tensor(), after_one[n]) for n, p in model.named_parameters())
-            results[params, factor] = {"grads": grads, "scales": scales, "skipped": scaler.skipped_steps,
-                                       "unchanged": unchanged, "carried": carried,
-                                       "names": [n for n, _ in model.named_parameters()]}
+            results[params, factor] = _two_steps(model, model, scaler, ids, labels, rank, factor,
+                                                 full=lambda t: t.full_tensor())
         model, ids, labels = _problem()
         _shard(model, param_dtype=torch.float16, reduce_dtype=None)  # reduced in fp16
         scaler = torch_bridge.AdaLossScaler(model)

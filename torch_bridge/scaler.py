@@ -193,8 +193,7 @@ class AdaLossScaler:
         prepared = root.metadata.get("adaloss")
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
-        names = self._names()
-        plan = ScalePlan(root, names, cast_rule=self._config.cast_rule,
+        plan = ScalePlan(root, self._names(), cast_rule=self._config.cast_rule,
                          cache=self._plans, norms=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if self._sharded:
@@ -203,7 +202,7 @@ class AdaLossScaler:
             refuse_fsdp1(self._model)
             _warn_coverage(plan)
         self._at_leaf = self._sharded or (_data_parallel() if self.unscale_in_backward is None
-                         else bool(self.unscale_in_backward))
+                                          else bool(self.unscale_in_backward))
         self._coverage = plan.coverage
         hidden: list[torch.Tensor] = []
         if plan.coverage.opaque_regions:
@@ -393,7 +392,7 @@ class AdaLossScaler:
                 groups.setdefault(key, (scale, []))[1].append(grad)
                 found.setdefault(dev, torch.zeros((), dtype=_F32, device=dev))
         if self._sharded and not found:  # no gradient in this rank's shards: still agree
-            dev = local_grad(next(self._model.parameters())).device
+            dev = local_grad(next(self._model.parameters())).device  # a shard's device
             found[dev] = torch.zeros((), dtype=_F32, device=dev)
         with torch.no_grad():
             for (_, dev, _), (scale, grads) in groups.items():
