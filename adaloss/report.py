@@ -70,7 +70,10 @@ class Coverage(NamedTuple):
       weighted_ops: matmuls and convolutions on the differentiated path (outside
         opaque regions).
       layers: of those, the layers that got their own scale (one operand from the
-        weights, the other from data that needs a gradient).
+        weights, the other from data that needs a gradient) and, with an fp8
+        ``grad_format``, the first layers (their input needs no gradient), which quantize
+        the cotangent of their weight gradient: in every format, one per layer in the
+        layer reports (which also hold the casts' and regions' decisions).
       opaque_regions: regions whose inside gets no per-layer scale: in JAX
         ``scan``/``while``/``cond`` or custom-rule bodies holding matmuls; in torch
         regions compiled with ``torch.compile``, reentrant checkpoints and custom autograd

@@ -418,7 +418,10 @@ class _Tape:
                 f"AdaLossConfig(grad_format={dtype.name!r}).")
 
     def coverage(self) -> Coverage:
-        return Coverage(weighted_ops=self.weighted_ops, layers=self.layers_found,
+        # one entry per layer report: an fp8 first layer quantizes the cotangent of its weight
+        # gradient and reports it
+        first = sum(1 for n in self.nodes if n.kind == "first")
+        return Coverage(weighted_ops=self.weighted_ops, layers=self.layers_found + first,
                         opaque_regions=len(self.opaque))
 
     @property

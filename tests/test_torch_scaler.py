@@ -249,6 +249,47 @@ def test_state_dict_round_trip_and_config_check():
         AdaLossScaler(model).load_state_dict({})
 
 
+class _Renamed(torch.nn.Module):
+    """MLP's layers under other names for one of them: ``net.2`` is ``mid``."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.first, self.mid, self.last = mlp.net[0], mlp.net[2], mlp.net[4]
+
+    def forward(self, x):
+        return self.last(torch.nn.functional.gelu(self.mid(torch.relu(self.first(x)))))
+
+
+def test_load_state_dict_is_strict_about_the_model_it_was_saved_for():
+    torch.manual_seed(0)
+    model = MLP()
+    cfg = AdaLossConfig(update_every=3)
+    scaler = AdaLossScaler(model, cfg)
+    _train(model, scaler, torch.optim.SGD(model.parameters(), 0.1), 1)
+    state = scaler.state_dict()
+    conv = make_case("conv")[0]
+    with pytest.raises(RuntimeError, match=r"another model.*no entry for: c1\.weight.*lacks: net\.0\.weight"):
+        AdaLossScaler(conv, cfg).load_state_dict(state)
+    renamed = AdaLossScaler(_Renamed(model), cfg)
+    with pytest.raises(RuntimeError, match=r"no entry for: first\.weight"):
+        renamed.load_state_dict(state)
+    # strict=False keeps what matches (nothing here) and names the rest, as nn.Module does
+    wrapped = torch.nn.Sequential()
+    wrapped.add_module("module", model)  # DDP's names: the prefix is named in the error
+    with pytest.raises(RuntimeError, match="extra prefix 'module.'"):
+        AdaLossScaler(wrapped, cfg).load_state_dict(state)
+    partial = torch.nn.Sequential()
+    partial.add_module("net", torch.nn.Sequential(*model.net[:3]))  # net.4 gone
+    loose = AdaLossScaler(partial, cfg)
+    result = loose.load_state_dict(state, strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == ["net.4.weight", "net.4.bias"]
+    kept = loose.state_dict()["model_scales"]
+    assert kept.keys() == {k for k in state["model_scales"] if not k.startswith("net.4")} and kept
+    assert loose.iteration == 1
+    same = AdaLossScaler(model, cfg).load_state_dict(state)
+    assert same.missing_keys == same.unexpected_keys == []
+
+
 def test_update_every_reuses_the_statistical_scales():
     torch.manual_seed(0)
     model = MLP()

@@ -74,6 +74,41 @@ def test_torch_zoo_model_finds_every_layer_and_keeps_its_gradients(name):
         _check_errors(run.grads, ref, case.exclude, TORCH_TOL[name][factor])
 
 
+# grad_format -> the autocast / forward dtype it runs under
+FORMATS = {"float16": "float16", "bfloat16": "bfloat16", "float8_e5m2": "bfloat16",
+           "float8_e4m3fn": "bfloat16"}
+
+
+@pytest.mark.parametrize("name", sorted(tz.CASES))
+def test_torch_reports_and_coverage_count_the_same_layers_in_every_format(name):
+    """``coverage().layers`` is the number of layers in ``layer_reports()`` (fp8 first layers,
+    which quantize their weight gradient's cotangent, in both), and no expected layer is lost."""
+    import torch
+
+    from adaloss import AdaLossConfig
+    case = tz.CASES[name]
+    model, batch = case.build(0)
+    expected = tz.expected_layers(model, batch, case.loss)
+    for fmt, dtype in FORMATS.items():
+        run = tz.run_adaloss(case, model, batch, 1.0, AdaLossConfig(grad_format=fmt), max_tries=1,
+                             dtype=getattr(torch, dtype))
+        found = tz.found_layers(run.layers)
+        assert run.coverage.layers == sum(found.values()), fmt
+        assert found >= expected, (fmt, dict(expected - found))
+
+
+def test_jax_reports_and_coverage_count_the_same_layers_in_every_format():
+    from adaloss import AdaLossConfig
+    counts = {}
+    for fmt in ("float16", "float8_e5m2", "float8_e4m3fn"):  # bf16 takes fp16's path
+        case = jz.CASES["equinox-mlp"](dtype=getattr(jnp, FORMATS[fmt]))
+        run = case.grads("adaloss", 1.0, AdaLossConfig(grad_format=fmt))
+        counts[fmt] = (int(run.report.coverage.layers), sum(run.layers.values()))
+        assert counts[fmt][0] == counts[fmt][1], counts
+    # the first layer (its input is data) reports in fp8 only
+    assert counts["float8_e5m2"][0] == counts["float16"][0] + 1, counts
+
+
 @pytest.mark.parametrize("name", sorted(jz.CASES))
 def test_jax_zoo_model_finds_every_layer_and_keeps_its_gradients(name):
     case = jz.CASES[name]()

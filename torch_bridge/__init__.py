@@ -10,8 +10,8 @@ importing it does not import JAX.
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, LayerUnderflow
 from torch_bridge.graph import ScalePlan
-from torch_bridge.scaler import AdaLossScaler
+from torch_bridge.scaler import AdaLossScaler, IncompatibleLayers
 from torch_bridge.underflow import layer_cotangents, measure_underflow
 
-__all__ = ["AdaLossConfig", "AdaLossScaler", "LayerReport", "LayerUnderflow", "ScalePlan",
-           "layer_cotangents", "measure_underflow"]
+__all__ = ["AdaLossConfig", "AdaLossScaler", "IncompatibleLayers", "LayerReport", "LayerUnderflow",
+           "ScalePlan", "layer_cotangents", "measure_underflow"]

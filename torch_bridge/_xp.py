@@ -54,9 +54,12 @@ ON_TENSORS = ScalarMath(xp, _IDENTITY, _IDENTITY)
 ON_HOST = ScalarMath(np_xp, lambda t: t.numpy(), _np_to_torch)
 
 
-def scalar_math(device: torch.device, host_math: bool = True) -> ScalarMath:
-    """NumPy scalars for CPU gradients (if ``host_math``), 0-d device tensors otherwise."""
-    return ON_HOST if host_math and device.type == "cpu" else ON_TENSORS
+def scalar_math(g: torch.Tensor, host_math: bool = True) -> ScalarMath:
+    """NumPy scalars for plain CPU gradients ``g`` (if ``host_math``), 0-d tensors like ``g``
+    otherwise: on an accelerator, and for a tensor subclass (a ``FakeTensor`` under
+    ``FakeTensorMode``, a ``DTensor``), whose values NumPy cannot read."""
+    plain = type(g) is torch.Tensor or type(g) is torch.nn.Parameter
+    return ON_HOST if host_math and plain and g.device.type == "cpu" else ON_TENSORS
 
 
 __all__ = ["ON_HOST", "ON_TENSORS", "ScalarMath", "np_xp", "scalar_math", "xp"]

@@ -57,8 +57,8 @@ _LOOKUP = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackwa
                      "IndexSelectBackward0", "GatherBackward0", "TakeBackward0"})
 # elementwise nodes whose non-differentiated operand may be a scalar constant
 _VECTOR = ("MvBackward0", "AddmvBackward0")  # no weight-gradient cap for these
-_SCALAR_OPERAND = {"MulBackward0": ("_raw_saved_self", "_raw_saved_other"),
-                   "DivBackward0": ("_raw_saved_self", "_raw_saved_other")}
+_SCALAR_OPERAND = {"MulBackward0": ("_saved_self", "_saved_other"),
+                   "DivBackward0": ("_saved_self", "_saved_other")}
 # nodes whose gradient for a broadcast operand is a sum over the broadcast entries: the saved
 # operand that multiplies the cotangent in it (None: the cotangent itself)
 _BROADCAST = {"AddBackward0": (None, None), "SubBackward0": (None, None),
@@ -151,6 +151,7 @@ class _Template:
     n_syms: int  # symbol 0: the seed (init_scale)
     coverage: Coverage
     missed: tuple[str, ...]  # why weighted ops with a weight operand got no scale
+    no_layer: bool  # weighted ops beyond first layers, none of them a layer
 
 
 class _Walk:
@@ -196,14 +197,14 @@ class ScalePlan:
 
     def __init__(self, root: Any, param_names: Mapping[int, str], cast_rule: bool = True,
                  cache: OrderedDict[Any, _Template] | None = None, cache_size: int = 8,
-                 grad_dtype: torch.dtype | None = None, norms: bool = False) -> None:
+                 grad_dtype: torch.dtype | None = None, fp8: bool = False) -> None:
         walk = _Walk(root, param_names)
-        key = (walk.key, cast_rule, norms)
+        key = (walk.key, cast_rule, fp8)
         template = cache.get(key) if cache is not None else None
         #: whether this structure was classified now (not taken from the cache)
         self.fresh = template is None
         if template is None:
-            template = _Builder(walk, param_names, cast_rule, norms).template()
+            template = _Builder(walk, param_names, cast_rule, fp8).template()
             if cache is not None:
                 cache[key] = template
                 while len(cache) > cache_size:
@@ -218,7 +219,7 @@ class ScalePlan:
             self.nodes[o] = walk.nodes[w]
         self.params: list[torch.Tensor | None] = [
             getattr(n, "variable", None) if p.leaf else None for n, p in zip(self.nodes, self.order)]
-        self.coverage, self.missed = template.coverage, template.missed
+        self.coverage, self.missed, self.no_layer = template.coverage, template.missed, template.no_layer
         if grad_dtype is not None:
             _check_format(template.order, grad_dtype)
 
@@ -248,8 +249,8 @@ class _Builder:
     """Classifies the nodes of a walk and assigns scale symbols."""
 
     def __init__(self, walk: _Walk, param_names: Mapping[int, str], cast_rule: bool,
-                 norms: bool = False) -> None:
-        self.walk, self.param_names, self.cast_rule, self.norms = walk, param_names, cast_rule, norms
+                 fp8: bool = False) -> None:
+        self.walk, self.param_names, self.cast_rule, self.fp8 = walk, param_names, cast_rule, fp8
         n = len(walk.nodes)
         # Kahn's topological order over walk positions
         deps = [0] * n
@@ -285,10 +286,15 @@ class _Builder:
         self._classify()
         self._assign()
         walk_to_order = tuple(self.pos[w] for w in range(len(self.walk_pos)))
-        layers = sum(p.kind == "layer" for p in self.plans)
+        scaled = sum(p.kind == "layer" for p in self.plans)
+        first = sum(p.kind == "input" for p in self.plans)
         regions = sum(p.kind == "region" for p in self.plans)
+        # one entry per layer report: with an fp8 grad_format a first layer quantizes the
+        # cotangent of its weight gradient and reports it
+        layers = scaled + (first if self.fp8 else 0)
+        no_layer = scaled == 0 and self.weighted_ops > first
         return _Template(tuple(self.plans), walk_to_order, self.n_syms,
-                         Coverage(self.weighted_ops, layers, regions), tuple(self.missed))
+                         Coverage(self.weighted_ops, layers, regions), tuple(self.missed), no_layer)
 
     # -- classification -------------------------------------------------------------
     def _classify(self) -> None:
@@ -316,7 +322,7 @@ class _Builder:
             elif self._amplifies(plan):
                 plan.kind, plan.name = "factor", f"factor:{factors}"
                 factors += 1
-            elif self.norms and self._normalizes(plan):
+            elif self.fp8 and self._normalizes(plan):
                 plan.kind, plan.name = "norm", f"norm:{norms}"
                 norms += 1
 
@@ -544,18 +550,42 @@ class _Builder:
                 contribs[e[0]][e[1]].append((plan.index, i, sym))
 
 
-def _scalar_operand(node: Any, i: int) -> bool:
-    """Whether the non-differentiated operand ``i`` of a mul/div node is a scalar constant.
+def _offloaded(raw: Any) -> bool:
+    """Whether a saved tensor is packed by ``torch.autograd.graph.save_on_cpu``, whose unpack
+    copies the CPU copy back to the device and leaves it in place (it can be read again)."""
+    hook = getattr(raw, "unpack_hook", None)
+    return (getattr(hook, "__module__", None) == "torch.autograd.graph"
+            and getattr(hook, "__qualname__", "").startswith("save_on_cpu."))
 
-    Reads the saved operand without unpacking it: under saved-tensor hooks
-    (``torch.utils.checkpoint``) an unpack would recompute the region, and a second one
-    in the backward fails. A hooked operand is not known to be a scalar."""
+
+def peek_saved(node: Any, attr: str) -> torch.Tensor | None:
+    """The data of ``node``'s saved tensor ``attr`` (``"_saved_other"``, ...), read without
+    unpacking it: as saved, or the CPU copy ``save_on_cpu`` keeps. None where other
+    saved-tensor hooks pack it: under ``torch.utils.checkpoint`` an unpack recomputes the
+    region, and a second one in the backward fails."""
+    raw = getattr(node, "_raw" + attr, None)
+    data = getattr(raw, "data", None)
+    if isinstance(data, torch.Tensor):
+        return data
+    if _offloaded(raw) and isinstance(data, tuple) and isinstance(data[-1], torch.Tensor):
+        return data[-1]
+    return None
+
+
+def read_saved(node: Any, attr: str) -> torch.Tensor | None:
+    """``node``'s saved tensor ``attr`` on its device, where reading it leaves it for the node's
+    own backward (see :func:`peek_saved`), else None."""
+    return None if peek_saved(node, attr) is None else getattr(node, attr)
+
+
+def _scalar_operand(node: Any, i: int) -> bool:
+    """Whether the non-differentiated operand ``i`` of a mul/div node is a scalar constant
+    (read without unpacking it; one packed by saved-tensor hooks is not known to be one)."""
     attrs = _SCALAR_OPERAND.get(node.name())
     if attrs is None or i > 1:
         return False
-    saved = getattr(node, attrs[i], None)
-    data = getattr(saved, "data", None)
-    return isinstance(data, torch.Tensor) and data.numel() == 1
+    data = peek_saved(node, attrs[i])
+    return data is not None and data.numel() == 1
 
 
 def _scalar_factors(node: Any) -> tuple[tuple[int, str, bool, bool | None], ...]:
@@ -572,22 +602,27 @@ def _scalar_factors(node: Any) -> tuple[tuple[int, str, bool, bool | None], ...]
     out = []
     for edge in ((0,) if kind == "DivBackward0" else (0, 1)):
         attr = attrs[1 - edge]
-        data = getattr(getattr(node, attr, None), "data", None)
-        if not isinstance(data, torch.Tensor) or data.numel() != 1:
+        data = peek_saved(node, attr)
+        if data is None or data.numel() != 1:
             continue
         div = kind == "DivBackward0"
         amplifies = None
-        if _is_python_number(data):
-            c = abs(float(data.detach()))
-            amplifies = (c < 1.0) if div else (c > 1.0)
+        c = python_number(data)
+        if c is not None:
+            amplifies = (abs(c) < 1.0) if div else (abs(c) > 1.0)
         out.append((edge, attr, div, amplifies))
     return tuple(out)
 
 
-def _is_python_number(t: torch.Tensor) -> bool:
-    """A Python number autograd saved as an operand: PyTorch wraps it in a 0-d CPU tensor of
-    float64 or int64, on every device's graph."""
-    return t.device.type == "cpu" and t.dim() == 0 and t.dtype in (torch.float64, torch.int64)
+def python_number(t: torch.Tensor) -> float | None:
+    """The value of a Python number autograd saved as an operand, else None. PyTorch wraps such
+    a number in a 0-d CPU tensor of float64 or int64, on every device's graph. It is read with
+    ``tolist()``, which copies the value without dispatching an operator: a ``TorchDispatchMode``
+    (``FlopCounterMode``, ...) hands a wrapped number to its ops as a Python float, so ``detach``,
+    ``item`` or ``float(t)`` under one fail."""
+    if t.device.type == "cpu" and t.dim() == 0 and t.dtype in (torch.float64, torch.int64):
+        return float(t.tolist())
+    return None
 
 
 def _fan_in(kind: str, w: int, shape: tuple[int, ...], node: Any) -> int:

@@ -22,7 +22,9 @@ host), NumPy scalars for CPU gradients (:mod:`torch_bridge._xp`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -34,7 +36,7 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
 from torch_bridge._xp import ON_TENSORS, ScalarMath, scalar_math, xp
-from torch_bridge.graph import NO_DECISION, NodePlan, ScalePlan
+from torch_bridge.graph import NO_DECISION, NodePlan, ScalePlan, peek_saved, python_number, read_saved
 
 _F32 = torch.float32
 
@@ -153,25 +155,27 @@ def rescale(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return (t.to(_F32) * factor).to(t.dtype)
 
 
-def _pre_hook(me: weakref.ref[ScaledBackward], i: int) -> Callable[[tuple[Any, ...]], Any]:
-    def hook(grad_outputs: tuple[Any, ...]) -> Any:
-        sb = me()
-        return None if sb is None else sb.pre(i, grad_outputs)
-    return hook
+# The hooks run eagerly, never traced by torch.compile: a compiled training step graph-breaks
+# at ``scale()`` and ``backward()``, and the backward then calls them with dynamo's frame
+# callback still set. ``torch._disable_dynamo`` (what torch.optim uses) imports dynamo on first
+# call, not at import; hooks are ``partial``s of these, so no frame of ours is traced.
+@torch._disable_dynamo
+def _pre_hook(me: weakref.ref[ScaledBackward], i: int, grad_outputs: tuple[Any, ...]) -> Any:
+    sb = me()
+    return None if sb is None else sb.pre(i, grad_outputs)
 
 
-def _post_hook(me: weakref.ref[ScaledBackward], i: int) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
-    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> Any:
-        sb = me()
-        return None if sb is None else sb.post(i, grad_inputs)
-    return hook
+@torch._disable_dynamo
+def _post_hook(me: weakref.ref[ScaledBackward], i: int, grad_inputs: tuple[Any, ...],
+               grad_outputs: tuple[Any, ...]) -> Any:
+    sb = me()
+    return None if sb is None else sb.post(i, grad_inputs)
 
 
-def _hidden_hook(me: weakref.ref[ScaledBackward], k: int) -> Callable[[torch.Tensor], Any]:
-    def hook(grad: torch.Tensor) -> Any:
-        sb = me()
-        return None if sb is None else sb.hidden_grad(k, grad)
-    return hook
+@torch._disable_dynamo
+def _hidden_hook(me: weakref.ref[ScaledBackward], k: int, grad: torch.Tensor) -> Any:
+    sb = me()
+    return None if sb is None else sb.hidden_grad(k, grad)
 
 
 _AUTOGRAD_GRAD = (
@@ -188,10 +192,30 @@ _CREATE_GRAPH = (
     "the unscaled loss, torch.autograd.grad(loss, params, create_graph=True), outside the scaler.")
 
 
+COMPILED_AUTOGRAD = (
+    "AdaLossScaler does not support compiled autograd (torch._dynamo.config.compiled_autograd, "
+    "torch._dynamo.compiled_autograd._enable): it captures the backward's hooks before running "
+    "them, while the scaler's decisions hook the parameters as the backward starts and record "
+    "their scales when it ends, so the gradients would keep per-layer scales no one divides "
+    "out. Run the scaled backward without it: leave torch._dynamo.config.compiled_autograd False "
+    "(the default) or call scaler.scale(loss).backward() outside the compiled function or "
+    "context. torch.compile on the model keeps working (its compiled region gets one scale).")
+
+
+def compiled_autograd() -> bool:
+    """Whether a backward run now would be captured by compiled autograd (checked without
+    importing torch._dynamo)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
 def _refuse_unsupported_backward(plan: ScalePlan) -> None:
     """Raise, with the remedy, when the scaled loss's backward is ``torch.autograd.grad`` (which
-    returns the gradients instead of accumulating them where the scaler unscales them) or runs
-    with ``create_graph=True`` (autograd records the backward, scale decisions included)."""
+    returns the gradients instead of accumulating them where the scaler unscales them), runs
+    with ``create_graph=True`` (autograd records the backward, scale decisions included) or is
+    captured by compiled autograd."""
+    if compiled_autograd():
+        raise RuntimeError(COMPILED_AUTOGRAD)
     if torch.is_grad_enabled():  # the engine enables grad mode for create_graph=True only
         raise RuntimeError(_CREATE_GRAPH)
     leaf = next((node for p, node in zip(plan.order, plan.nodes) if p.leaf), None)
@@ -268,11 +292,11 @@ class ScaledBackward:
             if p.leaf:
                 continue  # parameters' AccumulateGrad nodes outlive the graph: hooked per pass
             if i == 0 or p.hooked_before:
-                self.handles.append(node.register_prehook(_pre_hook(self._me, i)))
+                self.handles.append(node.register_prehook(functools.partial(_pre_hook, self._me, i)))
             if p.hooked_after:
-                self.handles.append(node.register_hook(_post_hook(self._me, i)))
+                self.handles.append(node.register_hook(functools.partial(_post_hook, self._me, i)))
         self.hidden = list(hidden) if plan.coverage.opaque_regions else []
-        self.hidden_handles = [t.register_hook(_hidden_hook(self._me, k))
+        self.hidden_handles = [t.register_hook(functools.partial(_hidden_hook, self._me, k))
                                for k, t in enumerate(self.hidden) if t.requires_grad]
 
     def _hook_leaves(self) -> None:
@@ -280,7 +304,7 @@ class ScaledBackward:
         self._unhook_leaves()
         plan = self.plan
         self.leaf_handles = [
-            node.register_prehook(_pre_hook(self._me, i))
+            node.register_prehook(functools.partial(_pre_hook, self._me, i))
             for i, (p, node) in enumerate(zip(plan.order, plan.nodes))
             if p.leaf and (self.every_leaf or p.merges or plan.params[i].grad is not None)]
 
@@ -404,7 +428,7 @@ class ScaledBackward:
         self._hook_leaves()
         self.active = True
         g = go[0]
-        self.sm = scalar_math(g.device, self.host_math)
+        self.sm = scalar_math(g, self.host_math)
         self.bo = None if self.backoff is None else self.sm.to_xp(self.backoff.to(g.device))
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
         self.values[0] = self.sm.to_xp(init)
@@ -575,12 +599,14 @@ class ScaledBackward:
             self.values[p.send] = incoming
             return
         sx, r = self.sm.xp, None
-        data = getattr(getattr(self.plan.nodes[p.index], p.factor_attr, None), "data", None)
-        if p.factor_attr and isinstance(data, torch.Tensor):
-            if data.device == g.device:
-                c = data.detach().to(_F32).abs().reshape(())
-            else:  # a Python number (a CPU tensor): read on the host, no copy to the device
-                c = torch.full((), abs(float(data)), dtype=_F32, device=g.device)
+        node = self.plan.nodes[p.index]
+        data = peek_saved(node, p.factor_attr) if p.factor_attr else None
+        if data is not None:
+            number = python_number(data)
+            if number is None:  # a tensor (a 0-d CPU one may multiply a device tensor)
+                c = read_saved(node, p.factor_attr).detach().to(device=g.device, dtype=_F32).abs().reshape(())
+            else:  # read on the host, no copy to the device
+                c = torch.full((), abs(number), dtype=_F32, device=g.device)
             factor = 1.0 / c if p.factor_div else c
             m = g.abs().amax().to(_F32)
             r = solver.amplified_scale(self.config, self.sm.to_xp(m), self.sm.to_xp(factor), sx, self.bo)
@@ -700,11 +726,7 @@ class ScaledBackward:
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
         """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
         (``torch.utils.checkpoint``: reading it here would leave none for the node's backward)."""
-        node = self.plan.nodes[p.index]
-        raw = getattr(node, "_raw" + attr, None)
-        if isinstance(getattr(raw, "data", None), torch.Tensor):
-            return getattr(node, attr)
-        return None
+        return read_saved(self.plan.nodes[p.index], attr)
 
     def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
         """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight (and bias)
@@ -764,6 +786,6 @@ class ScaledBackward:
             if op == "cast":
                 w = w.to(arg)
                 continue
-            v = getattr(self.plan.nodes[arg[0]], arg[1]).data  # this graph's scalar
+            v = read_saved(self.plan.nodes[arg[0]], arg[1]).detach()  # this graph's scalar
             w = w * v if op == "mul" else (w / v if op == "div" else v / w)
         return w

@@ -30,16 +30,23 @@ import enum
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from adaloss.report import Coverage, LayerReport, warn_coverage
+from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
-from torch_bridge.hooks import BackwardRecord, ScaledBackward, rescale, u_max
+from torch_bridge.hooks import (
+    COMPILED_AUTOGRAD,
+    BackwardRecord,
+    ScaledBackward,
+    compiled_autograd,
+    rescale,
+    u_max,
+)
 from torch_bridge.regions import RegionScales, found_total
 from torch_bridge.sharded import (
     agree_found_inf,
@@ -173,6 +180,7 @@ class AdaLossScaler:
         return self._iteration
 
     # -- backward ---------------------------------------------------------------------
+    @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def scale(self, outputs: Any) -> Any:
         """Prepare the backward of ``outputs`` (a loss tensor, or a list/tuple of them).
 
@@ -190,11 +198,13 @@ class AdaLossScaler:
         if root is None:
             raise RuntimeError("scale(): the loss has no autograd graph (it does not require grad, "
                                "or it is a leaf); was the forward run under torch.no_grad()?")
+        if compiled_autograd():
+            raise RuntimeError(COMPILED_AUTOGRAD)
         prepared = root.metadata.get("adaloss")
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
         plan = ScalePlan(root, self._names(), cast_rule=self._config.cast_rule,
-                         cache=self._plans, norms=self._config.fp8,
+                         cache=self._plans, fp8=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if self._sharded:
             self._hook_fp16_copies()
@@ -296,6 +306,7 @@ class AdaLossScaler:
             return 1.0
         return self._config.init_scale * 2.0 ** -self.backoff
 
+    @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale(loss).backward(**kwargs)``."""
         self.scale(loss).backward(**kwargs)
@@ -353,6 +364,7 @@ class AdaLossScaler:
             self._ratio[name] = r if old is None else torch.maximum(old, r)
 
     # -- unscale / step / update ---------------------------------------------------------
+    @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide each gradient of ``optimizer``'s parameters by its own scale, in place,
         and record whether any is inf/NaN (on device)."""
@@ -408,6 +420,7 @@ class AdaLossScaler:
                                "has a gradient.")
         return bool(sum(v.item() for v in found.values()))
 
+    @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` was called) and run ``optimizer.step(*args, **kwargs)``
         unless a gradient is inf/NaN; then the step is skipped and counted."""
@@ -431,6 +444,7 @@ class AdaLossScaler:
         state["stage"] = _Stage.STEPPED
         return retval
 
+    @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def update(self) -> None:
         """End the iteration: reset per-optimizer state, advance the ``update_every`` counter."""
         if not self._enabled:
@@ -492,16 +506,26 @@ class AdaLossScaler:
         if not self._enabled:
             return {}
         return {"config": dataclasses.asdict(self._config), "iteration": self._iteration,
-                "skipped_steps": self._skipped,
+                "skipped_steps": self._skipped, "parameters": self._parameter_names(),
                 "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()},
                 "region_scales": self._regions.state_dict(),
                 "backoff": (self.backoff, int(self._backoff[1]) if self._backoff is not None
                             else self._backoff_loaded[1]),
                 "lift": {k: int(v) for k, v in self._lift.items()}}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _parameter_names(self) -> list[str]:
+        """The names layers can be named after: the model's parameters, in its order."""
+        return [n for n, _ in self._model.named_parameters()]
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> IncompatibleLayers:
+        """Restore :meth:`state_dict`'s output. The state names the model's parameters: with
+        ``strict`` (the default) a state saved for another model, or for this one with layers
+        renamed, raises ``RuntimeError`` naming the parameters missing from it and those it has
+        that the model lacks; with ``strict=False`` the entries of parameters the model has are
+        loaded, the others dropped (those layers start fresh), and the names are returned, as
+        ``nn.Module.load_state_dict`` does."""
         if not self._enabled:
-            return
+            return IncompatibleLayers([], [])
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a "
                                "disabled instance of AdaLossScaler.")
@@ -512,15 +536,80 @@ class AdaLossScaler:
         if diff:
             raise ValueError("state_dict was saved with a different AdaLossConfig "
                              f"(fields: {', '.join(diff)})")
+        mine = self._parameter_names()
+        names = set(mine)
+        saved_names = state_dict.get("parameters")  # absent from states saved before it existed
+        keyed = list(state_dict["model_scales"]) + list(state_dict.get("lift", {}))
+        unexpected = [w for w in dict.fromkeys([*(saved_names or ()), *map(_weight_key, keyed)])
+                      if w is not None and w not in names]
+        missing = [] if saved_names is None else [n for n in mine if n not in set(saved_names)]
+        if strict and (missing or unexpected):
+            raise RuntimeError(_mismatch(missing, unexpected, saved_names, mine))
+        keep = lambda k: _weight_key(k) is None or _weight_key(k) in names  # noqa: E731
         self._iteration = int(state_dict["iteration"])
         self._skipped = int(state_dict["skipped_steps"])
-        self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items()}
+        self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items() if keep(k)}
         self._regions.load_state_dict(state_dict.get("region_scales", {}))
         self._backoff_loaded = tuple(int(v) for v in state_dict.get("backoff", (0, 0)))  # type: ignore[assignment]
         self._backoff = None
         self._lift = {k: torch.tensor(int(v), dtype=torch.int32)
-                      for k, v in state_dict.get("lift", {}).items()}
+                      for k, v in state_dict.get("lift", {}).items() if keep(k)}
         self._ratio = {}
+        return IncompatibleLayers(missing, unexpected)
+
+
+class IncompatibleLayers(NamedTuple):
+    """What :meth:`AdaLossScaler.load_state_dict` with ``strict=False`` could not match:
+    parameters of the model the state has no entry for, and parameters it names that the
+    model lacks (their entries were dropped)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# decisions named after the graph, not a parameter: casts, opaque regions
+_STRUCTURAL = ("cast:", "region:")
+
+
+def _weight_key(key: str) -> str | None:
+    """The parameter a state entry belongs to (``w@1`` -> ``w``), None for a structural one."""
+    return None if key.startswith(_STRUCTURAL) else weight_of(key)
+
+
+def _mismatch(missing: list[str], unexpected: list[str], saved: list[str] | None,
+              mine: list[str]) -> str:
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+    parts = ["AdaLossScaler.load_state_dict: the state was saved for another model (or for this "
+             "one with layers renamed)."]
+    if missing:
+        parts.append(f"Parameters of this model it has no entry for: {some(missing)}.")
+    if unexpected:
+        parts.append(f"Parameters it names that this model lacks: {some(unexpected)}.")
+    hint = _prefix_hint(saved, mine)
+    if hint:
+        parts.append(hint)
+    parts.append("Load it into the scaler of the model it was saved from, or pass strict=False to "
+                 "load the entries that match (the other layers start fresh).")
+    return " ".join(parts)
+
+
+def _prefix_hint(saved: list[str] | None, mine: list[str]) -> str | None:
+    """Say so when the names differ only by a module prefix (``module.`` from DDP,
+    ``_orig_mod.`` from torch.compile)."""
+    if not saved or not mine or len(saved) != len(mine):
+        return None
+    for a, b, how in ((saved, mine, "saved names carry"), (mine, saved, "this model's names carry")):
+        first = a[0]
+        for i, ch in enumerate(first):
+            if ch != ".":
+                continue
+            prefix = first[:i + 1]
+            if all(n.startswith(prefix) for n in a) and [n[len(prefix):] for n in a] == b:
+                return (f"The {how} the extra prefix {prefix!r}: build the scaler on the same "
+                        "module as the one that saved it (the wrapped model or model.module, "
+                        "not one and the other).")
+    return None
 
 
 _FP16_GRADS = ("Attempting to unscale FP16 gradients. Each gradient carries its own scale (up to the "
@@ -544,7 +633,7 @@ def _warn_coverage(plan: ScalePlan) -> None:
                   "or a custom autograd Function using parameters) get one scale decision at their "
                   "boundary and no per-layer scale inside; for per-layer scales, run the model "
                   "uncompiled and use checkpoint(..., use_reentrant=False)")
-    if cov.layers == 0 and cov.weighted_ops:
+    if plan.no_layer:
         no_layer = (f"no layer found among {cov.weighted_ops} matmul/convolution nodes: none has one "
                     "operand computed from parameters of the scaler's model alone (frozen or foreign "
                     "weights are data)")
