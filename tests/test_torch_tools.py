@@ -54,9 +54,16 @@ def _same_as_plain(got, fmt="float16"):
 
 @pytest.mark.parametrize("fmt", ["float16", "float8_e5m2"])
 def test_flop_counter_mode_around_the_backward_changes_nothing(fmt):
+    """And it counts the model's FLOPs: the scaler adds no matmul."""
     counter = FlopCounterMode(display=False)
     _same_as_plain(_step(around=lambda: counter, fmt=fmt), fmt)
-    assert counter.get_total_flops() > 0
+    net, x, y = make_case("gpt")
+    unscaled = FlopCounterMode(display=False)
+    with unscaled:
+        with torch.autocast("cpu", dtype=torch.float16 if fmt == "float16" else torch.bfloat16):
+            loss = xent(net(x), y)
+        loss.backward()
+    assert counter.get_total_flops() == unscaled.get_total_flops() > 0
 
 
 def test_debug_mode_around_the_backward_changes_nothing():
