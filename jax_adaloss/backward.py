@@ -112,6 +112,9 @@ class _Node:
     # a normalization's 16-bit backward (x·rsqrt(v), x/sqrt(v), rsqrt(v) with v from the data):
     # it may amplify the cotangent where no decision sees it (fp8: the next cast fits its own max)
     norm: bool = False
+    # an operand_format ``dot_general`` layer: each operand in fp8 and its scale, ``((q, s),
+    # (q, s))``: the forward GEMM and both backward GEMMs multiply fp8 values (FP8 GEMMs)
+    fp8_operands: tuple[tuple[Any, Any], ...] | None = None
 
 
 @dataclasses.dataclass
@@ -234,10 +237,15 @@ class _Tape:
         prim = eqn.primitive
         params = prim.get_bind_params(eqn.params)
         vals = [self.values[s] for s in ins]
+        fp8_operands = None
         if self.operands is not None and self._layer_operands(prim.name, ins) is not None:
             # both operands as the fp8 GEMM reads them; the vjp below takes the quantized values
             # as its inputs, so their cotangents pass the quantization unchanged
-            vals[:2] = [quantized_operand(v, self.config, self.operands) for v in vals[:2]]
+            if prim.name == "dot_general":
+                fp8_operands = tuple(fp8_operand(v, self.config, self.operands) for v in vals[:2])
+                vals[:2] = [dequantized(q, sc, dtype_of(v)) for (q, sc), v in zip(fp8_operands, vals[:2])]
+            else:
+                vals[:2] = [quantized_operand(v, self.config, self.operands) for v in vals[:2]]
 
         def bind(*xs: Any) -> list[Any]:
             out = prim.bind(*xs, **params)
@@ -255,10 +263,13 @@ class _Tape:
             out_vals, vjp = jax.vjp(f, *[vals[i] for i in diff])
         else:
             out_vals, vjp = bind(*vals), None
+        if fp8_operands is not None:  # the forward GEMM on the fp8 values themselves
+            out_vals = [fp8_dot(fp8_operands, params, dtype_of(out_vals[0]))]
         origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], prim.name)
         outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
                 for v in out_vals]
-        node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals), axes=_named_axes(eqn.params))
+        node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals), axes=_named_axes(eqn.params),
+                     fp8_operands=fp8_operands)
         # normalizers are tracked through values that need no gradient too (running statistics)
         node.norm = self._normalizes(prim.name, ins, outs, out_vals) and vjp is not None
         if vjp is not None:
@@ -872,7 +883,7 @@ class _Sweep:
             held = _any([self.limited[n] for n in sorted(behind)])
             self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
 
-    def _input_grad(self, node: _Node, g: Any, scale: Any) -> Any:
+    def _input_grad(self, node: _Node, g: Any, scale: Any, q: Any = None) -> Any:
         """The layer's input cotangent ``vjp_x(s·g)``. For a ``dot_general`` with power-of-two
         scales, ``s·vjp_x(g)`` instead: the dot accumulated in fp32 (as a 16-bit dot is), times
         ``s``, rounded once to the input's dtype. Bitwise the same where the input is the dot's
@@ -881,9 +892,13 @@ class _Sweep:
         differently), without a pass over ``g``: the scale rides on the dot's output, whose
         conversion to 16 bits reads it anyway."""
         prim, params, vals = node.eqn
+        x = node.diff[node.act]
+        if q is not None and node.fp8_operands is not None:  # an FP8 GEMM: q times the weight's fp8
+            (qw, sw), (qx, _) = node.fp8_operands[1 - x], node.fp8_operands[x]
+            out = dot_operand_grad(q, qw, qx, params["dimension_numbers"], x, params.get("precision"))
+            return (out * (scale / sw)).astype(dtype_of(vals[x]))
         if prim.name != "dot_general" or not self.config.power_of_two:
             return node.vjp([_rescale(g, scale)])[node.act]
-        x = node.diff[node.act]
         out = dot_operand_grad(_like(g, self.tape.values[node.outs[0]]), vals[1 - x], vals[x],
                                params["dimension_numbers"], x, params.get("precision"))
         return (out * scale).astype(dtype_of(vals[x]))
@@ -898,13 +913,16 @@ class _Sweep:
         self._fit(incoming)
         return g, incoming
 
-    def _quantize(self, g: Any, behind: frozenset[str]) -> tuple[Any, Any, Any]:
-        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the values both
-        GEMMs read (in ``g``'s dtype, exactly), their ``max|q|`` statistics and the cast's
-        fractions (``None`` unless reported); the decisions ``behind`` the scale hear the
-        fractions' signal (:func:`adaloss.solver.fp8_signal`)."""
+    def _quantize(self, g: Any, behind: frozenset[str]) -> tuple[Any, Any, Any, Any]:
+        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the fp8 values, the
+        same in ``g``'s dtype (exactly), their ``max|q|`` statistics and the cast's fractions
+        (``None`` unless reported); the decisions ``behind`` the scale hear the fractions'
+        signal (:func:`adaloss.solver.fp8_signal`). The fp8 tensor passes an optimization
+        barrier: XLA:GPU, allowed excess precision, folds a cast to fp8 and back to 16 bits
+        away (the GEMMs and statistics would read the unquantized values); XLA:CPU removes the
+        barrier, and keeps the cast anyway."""
         cfg = self.config
-        q = solver.to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit, jnp)
+        q = jax.lax.optimization_barrier(solver.to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit, jnp))
         gq = q.astype(jnp.result_type(g))  # exact: every fp8 value is a 16-bit one
         q_ext = solver.magnitude_stats(gq, jnp, moments=False)
         fractions = None
@@ -915,7 +933,7 @@ class _Sweep:
                                        jnp)
             for name in behind:
                 self.fractions[name].append(signal)
-        return gq, q_ext, fractions
+        return q, gq, q_ext, fractions
 
     def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
         """A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying ``incoming``)
@@ -926,9 +944,9 @@ class _Sweep:
         if current:  # no decision fitted this scale to the format
             g, incoming = self._fit_current(g, incoming)
         behind = self._decided_by(incoming)
-        gq, q_ext, fractions = self._quantize(g, behind)
+        q, gq, q_ext, fractions = self._quantize(g, behind)
         if node.wgt >= 0:
-            self.cts[node.ins[node.diff[node.wgt]]].append((self._weight_grad(node, gq), incoming))
+            self.cts[node.ins[node.diff[node.wgt]]].append((self._weight_grad(node, gq, q), incoming))
         if node.kind == "first":
             if self.reporting:
                 one = jnp.ones((), _F32)
@@ -959,7 +977,7 @@ class _Sweep:
         self._decided(outgoing, frozenset({node.name}))
         self._fit(outgoing)
         self.limited[node.name] = d.unrounded < d.model_scale
-        act_ct = self._input_grad(node, gq, d.scale)
+        act_ct = self._input_grad(node, gq, d.scale, q)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if self.reporting:
             pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
@@ -967,9 +985,18 @@ class _Sweep:
             self._report(node, d, incoming, outgoing, pred, solver.absmax(q_ext, jnp), held, fractions,
                          current)
 
-    def _weight_grad(self, node: _Node, g: Any) -> Any:
+    def _weight_grad(self, node: _Node, g: Any, q: Any = None) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
-        weight: a ``dot_general`` accumulates in fp32, a convolution runs widened."""
+        weight: a ``dot_general`` accumulates in fp32, a convolution runs widened. With fp8
+        operands (``node.fp8_operands``) and ``q``, ``g`` in fp8, an FP8 GEMM of ``q`` and the
+        other operand's fp8 values, divided by that operand's scale."""
+        if q is not None and node.fp8_operands is not None:
+            _, params, vals = node.eqn
+            w = node.diff[node.wgt]
+            (qa, sa), (qw, _) = node.fp8_operands[1 - w], node.fp8_operands[w]
+            out = dot_operand_grad(q, qa, qw, params["dimension_numbers"], w, params.get("precision"))
+            out = out / sa
+            return out if node.wgt in node.wide else out.astype(dtype_of(vals[w]))
         if node.wgt not in node.wide:
             return node.vjp([g])[node.wgt]
         prim, params, vals = node.eqn
@@ -1117,6 +1144,30 @@ def _stored(x: Any) -> Any:
     return jnp.max(jnp.stack([x, jnp.full_like(x, -jnp.inf)], axis=-1), axis=-1)
 
 
+def fp8_operand(x: Any, config: AdaLossConfig, dtype: Any) -> tuple[Any, Any]:
+    """A layer's input or weight in fp8 (``dtype``, ``config.operand_format``) at its own
+    per-tensor scale (:func:`adaloss.solver.operand_scale`, saturating), and that scale: ``x ≈
+    q / s``."""
+    s = solver.operand_scale(config, jnp.max(jnp.abs(x)).astype(_F32), jnp)
+    return solver.to_fp8(x.astype(_F32) * s, dtype, config.operand_limit, jnp), s
+
+
+def dequantized(q: Any, s: Any, dtype: Any) -> Any:
+    """``q / s`` in ``dtype``: exact (a power-of-two scale; every fp8 value is a 16-bit one)."""
+    return (q.astype(_F32) / s).astype(dtype)
+
+
+def fp8_dot(operands: tuple[tuple[Any, Any], ...], params: dict[str, Any], dtype: Any) -> Any:
+    """``dot_general`` of two fp8 operands ``((q, s), (q, s))`` with ``params``' dimensions:
+    accumulated in fp32, divided by both scales, in ``dtype``. XLA:GPU makes it an FP8 GEMM
+    (cuBLASLt f8, or a GEMM fusion whose dot takes the fp8 values); XLA:CPU computes the
+    products exactly, as the 16-bit dot of the dequantized values does."""
+    (a, sa), (b, sb) = operands
+    out = jax.lax.dot_general(a, b, params["dimension_numbers"], precision=params.get("precision"),
+                              preferred_element_type=_F32, out_sharding=params.get("out_sharding"))
+    return (out / (sa * sb)).astype(dtype)
+
+
 def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
     """A layer's input or weight as an fp8 GEMM reads it: quantized to ``dtype``
     (``config.operand_format``) at its own per-tensor scale (:func:`adaloss.solver.operand_scale`,
@@ -1124,9 +1175,8 @@ def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
     dot's group sizes) are returned unchanged."""
     if not _is_float(jnp.result_type(x)):
         return x
-    s = solver.operand_scale(config, jnp.max(jnp.abs(x)).astype(_F32), jnp)
-    q = solver.to_fp8(x.astype(_F32) * s, dtype, config.operand_limit, jnp)
-    return (q.astype(_F32) / s).astype(jnp.result_type(x))
+    q, s = fp8_operand(x, config, dtype)
+    return dequantized(q, s, jnp.result_type(x))
 
 
 def _any(flags: list[Any]) -> Any:

@@ -17,7 +17,9 @@ batch and can exceed fp16's 65504 long before any activation cotangent does. So:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -84,12 +86,27 @@ def dot_operand_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: i
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
 
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("adaloss_target_platform",
+                                                                             default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Trace for ``platform`` rather than JAX's default backend (a GPU program compiled on a
+    machine whose backend is the CPU: :mod:`jax_adaloss.gpu_program`)."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
 def _cpu_lacks_bf16_dot(operands: Sequence[Any]) -> bool:
     """XLA:CPU has no bf16 × bf16 → fp32 dot outside its plain matmuls ("Unsupported element
     type for DotThunk"): there the operands are widened first, which is exact (a product of two
     bf16 values is exact in fp32; the fp32 accumulation is the same)."""
-    return jax.default_backend() == "cpu" and any(
-        jnp.dtype(dtype_of(o)) == jnp.bfloat16 for o in operands)
+    platform = _TARGET_PLATFORM.get() or jax.default_backend()
+    return platform == "cpu" and any(jnp.dtype(dtype_of(o)) == jnp.bfloat16 for o in operands)
 
 
 def widenable(params: dict[str, Any]) -> bool:

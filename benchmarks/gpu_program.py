@@ -1,0 +1,131 @@
+"""The GPU program of our steps, compiled without a GPU: fp8 casts, FP8 GEMMs, kernels, bytes.
+
+    pip install -e '.[gpu-program]'                      # the CUDA plugin (no CUDA libraries)
+    python benchmarks/gpu_program.py                      # docs/gpu_program.json, table printed
+    python benchmarks/gpu_program.py --targets h100 --pipelines cublas --dim 256 --batch 128
+
+For the gradient step of a bf16 flax MLP (``--layers`` × Dense ``--dim`` + a 16-way head, batch
+``--batch``, mean squared error in fp32), each method is compiled for each target (H100 SXM,
+H200; :mod:`jax_adaloss.gpu_program`) in both GEMM pipelines XLA:GPU has without autotuning
+(``triton``: its default; ``cublas``: Triton GEMMs off, what autotuning picks for many shapes on
+a device), and the optimized program is read: converts to each fp8 format, GEMMs, those reading
+an 8-bit operand, FP8 GEMMs (cuBLASLt f8 calls, GEMM fusions whose dot takes fp8 operands),
+kernels, bytes accessed (XLA's generic cost analysis), temporary memory and compile time. The
+XLA:CPU program of the same function gives the converts the GPU program should keep.
+
+Methods: ``jax.value_and_grad`` (bf16, no fp8), flax ``Fp8DotGeneralOp`` (every Dense fp8 ×
+fp8, delayed scaling), and ``jax_adaloss.value_and_grad`` with e5m2 gradients (``adaloss``), with
+e4m3 operands too (``adaloss e4m3 operands``: every GEMM fp8 × fp8), per-tensor current scaling
+(``current``: ``fp8_rule="current"``) and one scale (``one scale``: ``layer_rule=False``), each
+with the same operands. No time is measured: nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from jax_adaloss import gpu_program as gp
+
+gp.environment()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax.linen import fp8_ops  # noqa: E402
+
+import jax_adaloss  # noqa: E402
+from adaloss.config import AdaLossConfig  # noqa: E402
+
+
+class MLP(nn.Module):
+    """``layers`` × (Dense ``dim``, relu) and a 16-way head, in bf16; ``fp8``: flax's FP8 dots."""
+
+    dim: int
+    layers: int
+    fp8: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = {"dot_general_cls": fp8_ops.Fp8DotGeneralOp} if self.fp8 else {}
+        for _ in range(self.layers):
+            x = nn.relu(nn.Dense(self.dim, dtype=jnp.bfloat16, **kw)(x))
+        return nn.Dense(16, dtype=jnp.bfloat16, **kw)(x)
+
+
+ADALOSS = {
+    "adaloss": {"grad_format": "float8_e5m2"},
+    "adaloss e4m3 operands": {"grad_format": "float8_e5m2", "operand_format": "float8_e4m3fn"},
+    "current e4m3 operands": {"grad_format": "float8_e5m2", "operand_format": "float8_e4m3fn",
+                              "fp8_rule": "current"},
+    "one scale e4m3 operands": {"grad_format": "float8_e5m2", "operand_format": "float8_e4m3fn",
+                                "layer_rule": False},
+}
+
+
+def methods(dim: int, layers: int, batch: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """name -> (gradient step, its arguments)."""
+    x = jnp.ones((batch, dim), jnp.float32)
+    y = jnp.ones((batch, 16), jnp.float32)
+
+    def loss_of(model: nn.Module) -> Any:
+        def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+            return jnp.mean((model.apply(params, x).astype(jnp.float32) - y) ** 2)
+        return loss
+
+    plain, fp8 = MLP(dim, layers), MLP(dim, layers, fp8=True)
+    params, fp8_params = plain.init(jax.random.key(0), x), fp8.init(jax.random.key(0), x)
+    out = {"jax.value_and_grad": (jax.value_and_grad(loss_of(plain)), (params, x, y)),
+           "flax Fp8DotGeneralOp": (jax.value_and_grad(loss_of(fp8)), (fp8_params, x, y))}
+    for name, kw in ADALOSS.items():
+        out[name] = (_stateless(jax_adaloss.value_and_grad(loss_of(plain), config=AdaLossConfig(**kw))),
+                     (params, x, y))
+    return out
+
+
+def _stateless(vg: Any) -> Any:
+    """adaloss's gradient step at its initial state (no back-off, no lifts)."""
+    return lambda *args: vg(*args, adaloss_state=None)
+
+
+def line(r: dict[str, Any]) -> str:
+    """One printed row: GPU converts / CPU converts per format, GEMMs, kernels, memory."""
+    conv = " ".join(f"{f[2:]} {r['converts'][f]:3d}/{r['cpu_converts'][f]:<3d}" for f in gp.FP8_TYPES)
+    return (f"{r['method']:24s} {r['target']} {r['pipeline']:6s} {conv} gemms {r['gemms']:3d} "
+            f"reading fp8 {r['gemms_reading_fp8']:3d} fp8 {r['fp8_gemms']:3d} kernels {r['kernels']:4d} "
+            f"MB {r['bytes_accessed'] / 1e6:8.1f} temp MB {r['temp_bytes'] / 1e6:7.1f} "
+            f"compile {r['compile_s']:.2f}s")
+
+
+def cpu_converts(fun: Any, *args: Any) -> dict[str, int]:
+    """The fp8 converts of the XLA:CPU program of ``fun``."""
+    return gp.read_hlo(jax.jit(fun).lower(*args).compile().as_text())["converts"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", nargs="+", choices=sorted(gp.TARGETS), default=sorted(gp.TARGETS))
+    ap.add_argument("--pipelines", nargs="+", choices=gp.PIPELINES, default=list(gp.PIPELINES))
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "docs" / "gpu_program.json")
+    args = ap.parse_args()
+    rows = []
+    for name, (fun, fargs) in methods(args.dim, args.layers, args.batch).items():
+        cpu = cpu_converts(fun, *fargs)
+        for target in args.targets:
+            for pipeline in args.pipelines:
+                prog = gp.compile_for(fun, *fargs, target=target, pipeline=pipeline)
+                rows.append({"method": name, "target": target, "pipeline": pipeline,
+                             "cpu_converts": cpu, **prog.row()})
+                print(line(rows[-1]), flush=True)
+    payload = {"model": {"dim": args.dim, "layers": args.layers, "batch": args.batch},
+               "jax": jax.__version__, "rows": rows}
+    args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The GPU program, compiled for an H100 without a GPU (:mod:`jax_adaloss.gpu_program`): every
+fp8 cast of the step is in it, in both GEMM pipelines, and with e4m3 operands every GEMM of a
+quantized layer is an FP8 GEMM, at least as many as flax's ``Fp8DotGeneralOp`` gets. XLA:GPU
+folds a cast to fp8 and back to 16 bits away where it may (``xla_allow_excess_precision``):
+the first test shows the reader sees it."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax.linen import fp8_ops
+
+import jax_adaloss
+from adaloss.config import AdaLossConfig
+from jax_adaloss import gpu_program as gp
+
+pytestmark = [pytest.mark.skipif(not gp.available(), reason="needs the gpu-program extra (CUDA plugin)"),
+              pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated")]
+
+LAYERS, DIM, BATCH = 3, 64, 32  # 3 hidden layers and a head: 4 quantized layers
+
+
+class _MLP(nn.Module):
+    fp8: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kw = {"dot_general_cls": fp8_ops.Fp8DotGeneralOp} if self.fp8 else {}
+        for _ in range(LAYERS):
+            x = nn.relu(nn.Dense(DIM, dtype=jnp.bfloat16, **kw)(x))
+        return nn.Dense(16, dtype=jnp.bfloat16, **kw)(x)
+
+
+def _compiled(config=None, fp8=False, pipeline="triton"):
+    fun, args = _step(config, fp8)
+    return gp.compile_for(fun, *args, pipeline=pipeline)
+
+
+def _step(config=None, fp8=False):
+    """A gradient step and its arguments: jax.value_and_grad (flax's FP8 dots with ``fp8``) or
+    adaloss's with ``config``."""
+    model = _MLP(fp8=fp8)
+    x, y = jnp.ones((BATCH, DIM), jnp.float32), jnp.ones((BATCH, 16), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x, y):
+        return jnp.mean((model.apply(p, x).astype(jnp.float32) - y) ** 2)
+    if config is None:
+        return jax.value_and_grad(loss), (params, x, y)
+    vg = jax_adaloss.value_and_grad(loss, config=config)
+    return (lambda *a: vg(*a, adaloss_state=None)), (params, x, y)
+
+
+def test_the_reader_sees_a_cast_the_gpu_compiler_folds_away():
+    def folded(x, w):  # a scaled quantize-dequantize round trip before a bf16 GEMM
+        q = jnp.clip(x.astype(jnp.float32) * 2.0, -448, 448).astype(jnp.float8_e4m3fn)
+        return jnp.dot((q.astype(jnp.float32) / 2.0).astype(jnp.bfloat16), w)
+
+    def kept(x, w):  # the fp8 values in the GEMM itself
+        q = jnp.clip(x.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn)
+        return jax.lax.dot_general(q, w.astype(jnp.float8_e4m3fn), (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    a = jnp.ones((64, 64), jnp.bfloat16)
+    assert gp.read_hlo(jax.jit(folded).lower(a, a).compile().as_text())["converts"]["f8e4m3fn"] == 1
+    for pipeline in gp.PIPELINES:
+        gone = gp.compile_for(folded, a, a, pipeline=pipeline)
+        assert gone.converts["f8e4m3fn"] == 0 and gone.fp8_gemms == 0
+        fp8 = gp.compile_for(kept, a, a, pipeline=pipeline)
+        assert fp8.converts["f8e4m3fn"] == 2 and fp8.gemms == fp8.fp8_gemms == 1
+        assert fp8.bytes_accessed > 0 and fp8.temp_bytes >= 0 and fp8.kernels >= 1
+
+
+@pytest.mark.parametrize("pipeline", gp.PIPELINES)
+def test_every_fp8_cast_survives_and_every_gemm_of_a_quantized_layer_is_an_fp8_gemm(pipeline):
+    layers = LAYERS + 1
+    grads = _compiled(AdaLossConfig(grad_format="float8_e5m2"), pipeline=pipeline)
+    # one cast per layer's incoming cotangent; bf16 operands: no FP8 GEMM (by design)
+    # (a fusion may duplicate a convert: at least, never fewer)
+    assert grads.converts["f8e4m3fn"] == 0 and grads.converts["f8e5m2"] >= layers, grads.converts
+    both = _compiled(AdaLossConfig(grad_format="float8_e5m2", operand_format="float8_e4m3fn"),
+                     pipeline=pipeline)
+    assert both.converts["f8e4m3fn"] >= 2 * layers and both.converts["f8e5m2"] >= layers, both.converts
+    # forward, input-gradient (not the first layer's) and weight-gradient GEMMs
+    assert both.fp8_gemms == both.gemms == 3 * layers - 1
+    if pipeline == "cublas":  # where flax's FP8 dots become cuBLASLt f8 GEMMs
+        flax = _compiled(fp8=True, pipeline=pipeline)
+        assert both.fp8_gemms >= flax.fp8_gemms == 3 * layers - 1
+    else:
+        assert grads.gemms_reading_fp8 == 2 * layers - 1  # the Triton GEMM fusions read the e5m2 values
