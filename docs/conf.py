@@ -12,6 +12,11 @@ signatures are left as plain text (``nitpick_ignore_regex`` below).
 
 from __future__ import annotations
 
+import os
+
+# autodoc imports JAX: on the CPU, even where the CUDA plugin (the gpu-program extra) is installed
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 project = "adaloss"
 author = "the adaloss developers"
 copyright = "2026, the adaloss developers"

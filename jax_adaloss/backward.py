@@ -153,6 +153,7 @@ class _Tape:
         # tape (``parent``) so that its layers' names stay unique in one report
         self._names: dict[str, int] = parent._names if parent is not None else defaultdict(int)
         self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
+        self._fp8_operands: dict[int, tuple[Any, Any]] = {}  # slot -> its fp8 values and scale
         self.grad_dtype = jnp.dtype(GRAD_FORMATS[config.grad_format])
         self.fp8 = config.fp8  # layers quantize their incoming cotangent to grad_format
         # layers quantize their input and weight to operand_format, forward and backward (only
@@ -241,8 +242,11 @@ class _Tape:
         if self.operands is not None and self._layer_operands(prim.name, ins) is not None:
             # both operands as the fp8 GEMM reads them; the vjp below takes the quantized values
             # as its inputs, so their cotangents pass the quantization unchanged
-            if prim.name == "dot_general":
-                fp8_operands = tuple(fp8_operand(v, self.config, self.operands) for v in vals[:2])
+            if prim.name == "dot_general":  # each tensor quantized once (q, k, v share an input)
+                for slot, v in zip(ins[:2], vals[:2]):
+                    if slot not in self._fp8_operands:
+                        self._fp8_operands[slot] = fp8_operand(v, self.config, self.operands)
+                fp8_operands = tuple(self._fp8_operands[slot] for slot in ins[:2])
                 vals[:2] = [dequantized(q, sc, dtype_of(v)) for (q, sc), v in zip(fp8_operands, vals[:2])]
             else:
                 vals[:2] = [quantized_operand(v, self.config, self.operands) for v in vals[:2]]
@@ -1169,14 +1173,16 @@ def fp8_dot(operands: tuple[tuple[Any, Any], ...], params: dict[str, Any], dtype
 
 
 def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
-    """A layer's input or weight as an fp8 GEMM reads it: quantized to ``dtype``
+    """A layer's input or weight as a layer other than a ``dot_general`` (a convolution, a
+    ragged dot) reads it, in 16 bits on fp8 values: quantized to ``dtype``
     (``config.operand_format``) at its own per-tensor scale (:func:`adaloss.solver.operand_scale`,
     saturating) and converted back to ``x``'s dtype, exactly. Other inputs (integers: a ragged
     dot's group sizes) are returned unchanged."""
     if not _is_float(jnp.result_type(x)):
         return x
     q, s = fp8_operand(x, config, dtype)
-    return dequantized(q, s, jnp.result_type(x))
+    # the barrier keeps XLA:GPU from folding the round trip away (see ``_quantize``)
+    return dequantized(jax.lax.optimization_barrier(q), s, jnp.result_type(x))
 
 
 def _any(flags: list[Any]) -> Any:

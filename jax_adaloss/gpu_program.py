@@ -128,6 +128,27 @@ def _bytes_accessed(compiled: Any) -> float:
     return float(cost.get("bytes accessed", 0.0))
 
 
+def jaxpr_casts(fun: Callable[..., Any], *args: Any) -> dict[str, int]:
+    """The converts to each fp8 format in ``fun``'s jaxpr (nested jaxprs included, a loop
+    body once): the quantizations the compiled program must keep."""
+    import jax
+    import jax.numpy as jnp
+    from jax.extend import core as jcore
+    names = {jnp.dtype(jnp.float8_e4m3fn): "f8e4m3fn", jnp.dtype(jnp.float8_e5m2): "f8e5m2"}
+    counts = dict.fromkeys(FP8_TYPES, 0)
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "convert_element_type":
+                name = names.get(jnp.dtype(eqn.params["new_dtype"]))
+                if name is not None:
+                    counts[name] += 1
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jax.make_jaxpr(fun)(*args).jaxpr)
+    return counts
+
+
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 # "%name = f8e5m2[512,512]{1,0} convert(...)", or with a tuple type "(bf16[..]{..}, s8[..]{0})"
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\([^()]*\)|\S+) ([\w\-]+)\((.*)$")
