@@ -2,9 +2,10 @@
 
     pip install -e '.[gpu-program]'                      # the CUDA plugin (no CUDA libraries)
     python benchmarks/gpu_program.py                      # docs/gpu_program.json, table printed
-    python benchmarks/gpu_program.py --targets h100 --pipelines cublas --dim 256 --batch 128
+    python benchmarks/gpu_program.py --targets h100 --pipelines cublas --models mlp --dim 256
 
-For the gradient step of a bf16 flax MLP (``--layers`` × Dense ``--dim`` + a 16-way head, batch
+For the gradient step of the depth benchmark's LM (``--blocks``, unrolled and scanned; fp16) and
+of a bf16 flax MLP (``--layers`` × Dense ``--dim`` + a 16-way head, batch
 ``--batch``, mean squared error in fp32), each method is compiled for each target (H100 SXM,
 H200; :mod:`jax_adaloss.gpu_program`) in both GEMM pipelines XLA:GPU has without autotuning
 (``triton``: its default; ``cublas``: Triton GEMMs off, what autotuning picks for many shapes on
@@ -35,6 +36,7 @@ gp.environment()
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 from flax.linen import fp8_ops  # noqa: E402
 
 import jax_adaloss  # noqa: E402
@@ -68,8 +70,27 @@ ADALOSS = {
 }
 
 
+def lm_methods(blocks: int, scanned: bool) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """The depth benchmark's LM (:mod:`depth`: vocab 256, dim 128, 4 heads, seq 64, batch 8;
+    fp16 compute): name -> (gradient step, its arguments); no flax FP8 variant."""
+    import numpy as np
+    from depth import LM
+    model = LM(256, 128, 4, blocks, scanned)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 65)), jnp.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+    out = {"jax.value_and_grad": (jax.value_and_grad(loss), (params, x, y))}
+    for name in ("adaloss", "adaloss e4m3 operands"):
+        out[name] = (_stateless(jax_adaloss.value_and_grad(loss, config=AdaLossConfig(**ADALOSS[name]))),
+                     (params, x, y))
+    return out
+
+
 def methods(dim: int, layers: int, batch: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
-    """name -> (gradient step, its arguments)."""
+    """The MLP's steps: name -> (gradient step, its arguments)."""
     x = jnp.ones((batch, dim), jnp.float32)
     y = jnp.ones((batch, 16), jnp.float32)
 
@@ -112,18 +133,25 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--models", nargs="+", default=["mlp", "lm-unrolled", "lm-scanned"],
+                    choices=("mlp", "lm-unrolled", "lm-scanned"))
+    ap.add_argument("--blocks", type=int, default=8, help="the LM's")
     ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "docs" / "gpu_program.json")
     args = ap.parse_args()
     rows = []
-    for name, (fun, fargs) in methods(args.dim, args.layers, args.batch).items():
-        casts = gp.jaxpr_casts(fun, *fargs)
-        for target in args.targets:
-            for pipeline in args.pipelines:
-                prog = gp.compile_for(fun, *fargs, target=target, pipeline=pipeline)
-                rows.append({"method": name, "target": target, "pipeline": pipeline,
-                             "jaxpr_casts": casts, **prog.row()})
-                print(line(rows[-1]), flush=True)
-    payload = {"model": {"dim": args.dim, "layers": args.layers, "batch": args.batch},
+    for model in args.models:
+        steps = (methods(args.dim, args.layers, args.batch) if model == "mlp"
+                 else lm_methods(args.blocks, model == "lm-scanned"))
+        for name, (fun, fargs) in steps.items():
+            casts = gp.jaxpr_casts(fun, *fargs)
+            for target in args.targets:
+                for pipeline in args.pipelines:
+                    prog = gp.compile_for(fun, *fargs, target=target, pipeline=pipeline)
+                    rows.append({"model": model, "method": name, "target": target, "pipeline": pipeline,
+                                 "jaxpr_casts": casts, **prog.row()})
+                    print(model, line(rows[-1]), flush=True)
+    payload = {"mlp": {"dim": args.dim, "layers": args.layers, "batch": args.batch},
+               "lm": {"blocks": args.blocks},
                "jax": jax.__version__, "rows": rows}
     args.json.write_text(json.dumps(payload, indent=1) + "\n")
 

@@ -268,7 +268,7 @@ class _Tape:
         else:
             out_vals, vjp = bind(*vals), None
         if fp8_operands is not None:  # the forward GEMM on the fp8 values themselves
-            out_vals = [fp8_dot(fp8_operands, params, dtype_of(out_vals[0]))]
+            out_vals = [fp8_dot(fp8_operands, params, dtype_of(out_vals[0]), self.config.power_of_two)]
         origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], prim.name)
         outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
                 for v in out_vals]
@@ -899,8 +899,9 @@ class _Sweep:
         x = node.diff[node.act]
         if q is not None and node.fp8_operands is not None:  # an FP8 GEMM: q times the weight's fp8
             (qw, sw), (qx, _) = node.fp8_operands[1 - x], node.fp8_operands[x]
-            out = dot_operand_grad(q, qw, qx, params["dimension_numbers"], x, params.get("precision"))
-            return (out * (scale / sw)).astype(dtype_of(vals[x]))
+            out = dot_operand_grad(q, qw, qx, params["dimension_numbers"], x, params.get("precision"),
+                                   _gemm_out(dtype_of(vals[x]), self.config.power_of_two))
+            return (out * (scale / sw).astype(out.dtype)).astype(dtype_of(vals[x]))
         if prim.name != "dot_general" or not self.config.power_of_two:
             return node.vjp([_rescale(g, scale)])[node.act]
         out = dot_operand_grad(_like(g, self.tape.values[node.outs[0]]), vals[1 - x], vals[x],
@@ -1161,15 +1162,25 @@ def dequantized(q: Any, s: Any, dtype: Any) -> Any:
     return (q.astype(_F32) / s).astype(dtype)
 
 
-def fp8_dot(operands: tuple[tuple[Any, Any], ...], params: dict[str, Any], dtype: Any) -> Any:
+def _gemm_out(dtype: Any, power_of_two: bool) -> Any:
+    """What an FP8 GEMM returns before its scales are divided out: bf16 for a bf16 result with
+    power-of-two scales (exact: bf16 has fp32's range, so the scaled sums cannot overflow, and
+    a power of two leaves the rounding as it is); fp32 otherwise (an fp16 result: the scaled
+    sums may exceed 65504; other scales: divided in fp32, rounded once)."""
+    return dtype if power_of_two and jnp.dtype(dtype) == jnp.bfloat16 else _F32
+
+
+def fp8_dot(operands: tuple[tuple[Any, Any], ...], params: dict[str, Any], dtype: Any,
+            power_of_two: bool = True) -> Any:
     """``dot_general`` of two fp8 operands ``((q, s), (q, s))`` with ``params``' dimensions:
-    accumulated in fp32, divided by both scales, in ``dtype``. XLA:GPU makes it an FP8 GEMM
+    accumulated in fp32, divided by both scales, in ``dtype`` (see :func:`_gemm_out`). XLA:GPU makes it an FP8 GEMM
     (cuBLASLt f8, or a GEMM fusion whose dot takes the fp8 values); XLA:CPU computes the
     products exactly, as the 16-bit dot of the dequantized values does."""
     (a, sa), (b, sb) = operands
+    acc = _gemm_out(dtype, power_of_two)
     out = jax.lax.dot_general(a, b, params["dimension_numbers"], precision=params.get("precision"),
-                              preferred_element_type=_F32, out_sharding=params.get("out_sharding"))
-    return (out / (sa * sb)).astype(dtype)
+                              preferred_element_type=acc, out_sharding=params.get("out_sharding"))
+    return (out / (sa * sb).astype(acc)).astype(dtype)
 
 
 def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:

@@ -49,7 +49,7 @@ def widen(x: Any) -> Any:
 
 
 def dot_operand_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: int,
-                     precision: Any = None) -> jax.Array:
+                     precision: Any = None, out_dtype: Any = _F32) -> jax.Array:
     """The cotangent of operand ``w`` (0: lhs, 1: rhs) of ``dot_general(lhs, rhs)`` for the
     output cotangent ``g``, with ``act`` the other operand, accumulated and returned in fp32:
     a weight's gradient (``weight`` the weight, ``act`` the layer's input), or a layer's input
@@ -59,7 +59,8 @@ def dot_operand_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: i
     the output cotangent with the other operand: contract ``g``'s dimensions that came from
     ``act``'s kept (free) dimensions with those, keep the batch dimensions batched, and
     permute the result to ``w``'s axis order. Under a mesh with explicit axes the result is
-    sharded like ``weight``.
+    sharded like ``weight``. ``out_dtype``: the result's (an FP8 GEMM may return 16 bits; its
+    accumulation stays fp32).
     """
     w_ndim = np.ndim(weight)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -81,7 +82,7 @@ def dot_operand_grad(g: Any, act: Any, weight: Any, dimension_numbers: Any, w: i
         operands, dims, unsorted = (g, act), ((g_act, a_kept), batch), [*wb, *w_kept, *from_act]
     if _cpu_lacks_bf16_dot(operands):
         operands = tuple(widen(o) for o in operands)
-    out = lax.dot_general(*operands, dims, precision=precision, preferred_element_type=_F32,
+    out = lax.dot_general(*operands, dims, precision=precision, preferred_element_type=out_dtype,
                           out_sharding=_permuted_sharding(weight, unsorted))
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 

@@ -69,7 +69,7 @@ def _mlp_case():
     return model, x, y, {n: g.numpy() for (n, _), g in zip(model.named_parameters(), ref_grads)}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager"])  # inductor makes the same node (25 s more)
 def test_a_compiled_model_gets_a_dynamic_scale_at_its_boundary(backend):
     model, x, y, ref = _mlp_case()
     compiled = torch.compile(model, backend=backend)

@@ -111,7 +111,7 @@ def test_input_cotangent_scaled_after_its_dot_is_the_rescaled_cotangents(name, g
 
     (_, grads), rep = run()
     with mock.patch.object(_Sweep, "_input_grad",
-                           lambda self, node, g, s: node.vjp([_rescale(g, s)])[node.act]):
+                           lambda self, node, g, s, q=None: node.vjp([_rescale(g, s)])[node.act]):
         (_, old), old_rep = run()
     assert set(rep.layers) == set(old_rep.layers)
     for n in rep.layers:
