@@ -1173,9 +1173,9 @@ def _gemm_out(dtype: Any, power_of_two: bool) -> Any:
 def fp8_dot(operands: tuple[tuple[Any, Any], ...], params: dict[str, Any], dtype: Any,
             power_of_two: bool = True) -> Any:
     """``dot_general`` of two fp8 operands ``((q, s), (q, s))`` with ``params``' dimensions:
-    accumulated in fp32, divided by both scales, in ``dtype`` (see :func:`_gemm_out`). XLA:GPU makes it an FP8 GEMM
-    (cuBLASLt f8, or a GEMM fusion whose dot takes the fp8 values); XLA:CPU computes the
-    products exactly, as the 16-bit dot of the dequantized values does."""
+    accumulated in fp32, divided by both scales, in ``dtype`` (see ``_gemm_out``). XLA:GPU
+    makes it an FP8 GEMM (cuBLASLt f8, or a GEMM fusion whose dot takes the fp8 values);
+    XLA:CPU computes the products exactly, as the 16-bit dot of the dequantized values does."""
     (a, sa), (b, sb) = operands
     acc = _gemm_out(dtype, power_of_two)
     out = jax.lax.dot_general(a, b, params["dimension_numbers"], precision=params.get("precision"),
