@@ -221,6 +221,54 @@ def fp8(docs: Path) -> str:
     return "\n".join(section(_json(docs, "fp8.json"))).rstrip("\n")
 
 
+def gpu_program(docs: Path) -> str:
+    """The GPU program of the FP8 steps, H100 target (``docs/gpu_program.json``, written by
+    ``python benchmarks/gpu_program.py``): the MLP's table, the LM's counts, the bytes."""
+    rows = [r for r in _json(docs, "gpu_program.json")["rows"] if r["target"] == "h100"]
+
+    def get(model: str, method: str, pipeline: str) -> dict[str, Any]:
+        return next(r for r in rows if (r["model"], r["method"], r["pipeline"]) == (model, method, pipeline))
+
+    def conv(r: dict[str, Any]) -> str:
+        c, j = r["converts"], r["jaxpr_casts"]
+        return f"{c['f8e4m3fn']} ({j['f8e4m3fn']}) / {c['f8e5m2']} ({j['f8e5m2']})"
+    lines = ["| method | pipeline | e4m3 / e5m2 converts (the jaxpr's) | GEMMs: FP8 / all (reading fp8) "
+             "| MB accessed | temp MB |", "|---|---|---|---|---|---|"]
+    for method in ("flax Fp8DotGeneralOp", "adaloss", "current", "adaloss e4m3 operands",
+                   "current e4m3 operands"):
+        for pipeline in ("triton", "cublas"):
+            r = get("mlp", method, pipeline)
+            lines.append(f"| {method} | {pipeline} | {conv(r)} | {r['fp8_gemms']} / {r['gemms']} "
+                         f"({r['gemms_reading_fp8']}) | {r['bytes_accessed'] / 1e6:.1f} | "
+                         f"{r['temp_bytes'] / 1e6:.1f} |")
+    lm = {m: (get(m, "adaloss", "triton"), get(m, "adaloss e4m3 operands", "triton"))
+          for m in ("lm-unrolled", "lm-scanned")}
+
+    def lm_text(model: str) -> str:
+        grads, both = lm[model]
+        e5, e4 = "f8e5m2", "f8e4m3fn"
+        return (f"{grads['converts'][e5]} of {grads['jaxpr_casts'][e5]} cotangent casts and, with e4m3 "
+                f"operands, {both['fp8_gemms']} FP8 GEMMs of {both['gemms']} (the other "
+                f"{both['gemms'] - both['fp8_gemms']} multiply activations: attention), keeping "
+                f"{both['converts'][e4]} of the jaxpr's {both['jaxpr_casts'][e4]} operand casts")
+    blocks = _json(docs, "gpu_program.json")["lm"]["blocks"]
+    ratio = {p: get("mlp", "adaloss", p)["bytes_accessed"]
+             / get("mlp", "flax Fp8DotGeneralOp", p)["bytes_accessed"] for p in ("triton", "cublas")}
+    both, flax = get("mlp", "adaloss e4m3 operands", "cublas"), get("mlp", "flax Fp8DotGeneralOp", "cublas")
+    cur, ada = get("mlp", "current", "cublas"), get("mlp", "adaloss", "cublas")
+    lines += ["", f"- The depth benchmark's LM ({blocks} blocks, fp16 forward), Triton pipeline: unrolled, "
+              f"{lm_text('lm-unrolled')}; scanned (a loop body counted once), {lm_text('lm-scanned')}. "
+              "Every GEMM with a weight reads fp8 values; the operand casts XLA drops are dead or "
+              "duplicate ones.",
+              f"- Bytes: adaloss's gradient casts read {ratio['triton']:.2f}× (Triton) and "
+              f"{ratio['cublas']:.2f}× (cuBLAS) flax's FP8 step; with e4m3 operands "
+              f"{both['bytes_accessed'] / flax['bytes_accessed']:.2f}× its bytes and "
+              f"{both['temp_bytes'] / flax['temp_bytes']:.2f}× its temporary memory (cuBLAS). "
+              f"Per-tensor current scaling of the gradients alone reads "
+              f"{cur['bytes_accessed'] / ada['bytes_accessed']:.2f}× adaloss's (cuBLAS)."]
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "readme-results": readme_results,
     "study-cases": study_cases,
@@ -230,6 +278,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "departures": departures,
     "skips": skips,
     "fp8": fp8,
+    "gpu-program": gpu_program,
 }
 
 
