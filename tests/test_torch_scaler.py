@@ -232,13 +232,18 @@ def test_enabled_false_is_a_pass_through():
     assert scaler.state_dict() == {} and scaler.grad_scales() == {}
 
 
-def test_state_dict_round_trip_and_config_check():
+def _trained_state(steps):
+    """An MLP, its config (``update_every=3``), its scaler after ``steps`` steps and the state."""
     torch.manual_seed(0)
     model = MLP()
     cfg = AdaLossConfig(update_every=3)
     scaler = AdaLossScaler(model, cfg)
-    _train(model, scaler, torch.optim.SGD(model.parameters(), 0.1), 2)
-    state = scaler.state_dict()
+    _train(model, scaler, torch.optim.SGD(model.parameters(), 0.1), steps)
+    return model, cfg, scaler, scaler.state_dict()
+
+
+def test_state_dict_round_trip_and_config_check():
+    model, cfg, scaler, state = _trained_state(2)
     assert state["iteration"] == 2 and set(state["model_scales"]) == set(scaler.layer_reports())
     other = AdaLossScaler(model, cfg)
     other.load_state_dict(state)
@@ -250,7 +255,7 @@ def test_state_dict_round_trip_and_config_check():
 
 
 class _Renamed(torch.nn.Module):
-    """MLP's layers under other names for one of them: ``net.2`` is ``mid``."""
+    """MLP's layers under other names: ``net.0``, ``net.2``, ``net.4`` are ``first``, ``mid``, ``last``."""
 
     def __init__(self, mlp):
         super().__init__()
@@ -261,23 +266,18 @@ class _Renamed(torch.nn.Module):
 
 
 def test_load_state_dict_is_strict_about_the_model_it_was_saved_for():
-    torch.manual_seed(0)
-    model = MLP()
-    cfg = AdaLossConfig(update_every=3)
-    scaler = AdaLossScaler(model, cfg)
-    _train(model, scaler, torch.optim.SGD(model.parameters(), 0.1), 1)
-    state = scaler.state_dict()
+    model, cfg, _, state = _trained_state(1)
     conv = make_case("conv")[0]
     with pytest.raises(RuntimeError, match=r"another model.*no entry for: c1\.weight.*lacks: net\.0\.weight"):
         AdaLossScaler(conv, cfg).load_state_dict(state)
     renamed = AdaLossScaler(_Renamed(model), cfg)
     with pytest.raises(RuntimeError, match=r"no entry for: first\.weight"):
         renamed.load_state_dict(state)
-    # strict=False keeps what matches (nothing here) and names the rest, as nn.Module does
     wrapped = torch.nn.Sequential()
     wrapped.add_module("module", model)  # DDP's names: the prefix is named in the error
     with pytest.raises(RuntimeError, match="extra prefix 'module.'"):
         AdaLossScaler(wrapped, cfg).load_state_dict(state)
+    # strict=False keeps what matches and names the rest, as nn.Module does
     partial = torch.nn.Sequential()
     partial.add_module("net", torch.nn.Sequential(*model.net[:3]))  # net.4 gone
     loose = AdaLossScaler(partial, cfg)

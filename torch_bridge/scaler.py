@@ -515,7 +515,7 @@ class AdaLossScaler:
 
     def _parameter_names(self) -> list[str]:
         """The names layers can be named after: the model's parameters, in its order."""
-        return [n for n, _ in self._model.named_parameters()]
+        return list(parameter_names(self._model).values())
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> IncompatibleLayers:
         """Restore :meth:`state_dict`'s output. The state names the model's parameters: with
@@ -542,10 +542,12 @@ class AdaLossScaler:
         keyed = list(state_dict["model_scales"]) + list(state_dict.get("lift", {}))
         unexpected = [w for w in dict.fromkeys([*(saved_names or ()), *map(_weight_key, keyed)])
                       if w is not None and w not in names]
-        missing = [] if saved_names is None else [n for n in mine if n not in set(saved_names)]
+        saved = set(saved_names or ())
+        missing = [] if saved_names is None else [n for n in mine if n not in saved]
         if strict and (missing or unexpected):
             raise RuntimeError(_mismatch(missing, unexpected, saved_names, mine))
-        keep = lambda k: _weight_key(k) is None or _weight_key(k) in names  # noqa: E731
+        dropped = set(unexpected)
+        keep = lambda k: _weight_key(k) not in dropped  # noqa: E731  (structural keys: None)
         self._iteration = int(state_dict["iteration"])
         self._skipped = int(state_dict["skipped_steps"])
         self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items() if keep(k)}
