@@ -403,18 +403,21 @@ def operand_scale(config: AdaLossConfig, x_absmax: Array, xp: Any) -> Array:
 def quantized_fractions(g: Array, q: Array, config: AdaLossConfig, xp: Any) -> tuple[Array, Array, Array]:
     """FP8 telemetry of one cast of ``g`` (as carried) to ``q`` (fp8): the fractions of ``g``'s
     non-zero entries flushed to zero, held below the format's smallest normal (non-zero), and
-    saturated (``|g|`` beyond the format's max), in fp32 (0 when ``g`` is all zero)."""
+    saturated (``|g|`` beyond the format's max), in fp32 (0 when ``g`` is all zero).
+
+    Each count reads one tensor alone (a zero of ``g`` casts to a zero of ``q``, a non-zero ``q``
+    has a non-zero ``g``): the counts of ``g`` can join the kernel that writes ``g``, those of
+    ``q`` the kernel that reads ``q``, and no kernel reads both."""
+    def count(mask: Array) -> Array:
+        return xp.sum(xp.astype(mask, xp.float32))
+
     g = _f32(g, xp)
     a = xp.abs(_f32(q, xp))
-    live = g != 0
-    count = xp.sum(xp.astype(live, xp.float32))
-    denom = xp.maximum(count, xp.ones_like(count))
-
-    def frac(mask: Array) -> Array:
-        return xp.sum(xp.astype(mask & live, xp.float32)) / denom
-
-    return (frac(a == 0), frac((a > 0) & (a < config.underflow_limit)),
-            frac(xp.abs(g) > config.overflow_limit))
+    size = float(math.prod(g.shape))
+    zeros = count(g == 0)
+    denom = xp.maximum(size - zeros, xp.ones_like(zeros))
+    return ((count(a == 0) - zeros) / denom, count((a > 0) & (a < config.underflow_limit)) / denom,
+            count(xp.abs(g) > config.overflow_limit) / denom)
 
 
 def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturated: Array,

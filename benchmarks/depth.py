@@ -49,14 +49,15 @@ F16 = jnp.float16
 
 class Block(nn.Module):
     heads: int
+    dtype: Any = F16
 
     @nn.compact
     def __call__(self, h: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
-        x = nn.LayerNorm(dtype=F16)(h)
-        h = h + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=F16, deterministic=True)(
-            x, mask=mask)
-        x = nn.Dense(4 * h.shape[-1], dtype=F16)(nn.LayerNorm(dtype=F16)(h))
-        return h + nn.Dense(h.shape[-1], dtype=F16)(nn.gelu(x)), None
+        x = nn.LayerNorm(dtype=self.dtype)(h)
+        h = h + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype,
+                                                deterministic=True)(x, mask=mask)
+        x = nn.Dense(4 * h.shape[-1], dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(h))
+        return h + nn.Dense(h.shape[-1], dtype=self.dtype)(nn.gelu(x)), None
 
 
 class LM(nn.Module):
@@ -65,20 +66,21 @@ class LM(nn.Module):
     heads: int
     blocks: int
     scanned: bool = False  # nn.scan over the blocks (MaxText-style) instead of a Python loop
+    dtype: Any = F16  # the compute dtype (parameters and loss in fp32)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        embed = nn.Embed(self.vocab, self.dim, dtype=F16)
+        embed = nn.Embed(self.vocab, self.dim, dtype=self.dtype)
         mask = nn.make_causal_mask(tokens)
         h = embed(tokens)
         if self.scanned:
             stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                             in_axes=nn.broadcast, length=self.blocks)
-            h, _ = stack(self.heads, name="blocks")(h, mask)
+            h, _ = stack(self.heads, self.dtype, name="blocks")(h, mask)
         else:
             for _ in range(self.blocks):
-                h, _ = Block(self.heads)(h, mask)
-        return embed.attend(nn.LayerNorm(dtype=F16)(h)).astype(jnp.float32)
+                h, _ = Block(self.heads, self.dtype)(h, mask)
+        return embed.attend(nn.LayerNorm(dtype=self.dtype)(h)).astype(jnp.float32)
 
 
 def _hlo_size(text: str) -> int:

@@ -11,9 +11,12 @@ H200; :mod:`jax_adaloss.gpu_program`) in both GEMM pipelines XLA:GPU has without
 (``triton``: its default; ``cublas``: Triton GEMMs off, what autotuning picks for many shapes on
 a device), and the optimized program is read: converts to each fp8 format, GEMMs, those reading
 an 8-bit operand, FP8 GEMMs (cuBLASLt f8 calls, GEMM fusions whose dot takes fp8 operands),
-kernels, bytes accessed (XLA's generic cost analysis), temporary memory and compile time. The
-jaxpr's casts are the quantizations the step asks for (XLA may merge identical ones and drop
-dead ones: the cotangent casts, one per layer, can be neither).
+kernels, the bytes they move (each kernel's operands and results once), bytes accessed (XLA's
+generic cost analysis), second passes (casts whose scale needed another kernel to reduce the
+tensor first), temporary memory and compile time. The jaxpr's casts are the quantizations the
+step asks for (XLA may merge identical ones and drop dead ones: the cotangent casts, one per
+layer, can be neither), and ``own max`` those whose scale reads a reduction of their own tensor
+(:func:`jax_adaloss.audit.fp8_casts`).
 
 Methods: ``jax.value_and_grad`` (bf16, no fp8), flax ``Fp8DotGeneralOp`` (every Dense fp8 ×
 fp8, delayed scaling), and ``jax_adaloss.value_and_grad`` with e5m2 gradients (``adaloss``), with
@@ -41,6 +44,7 @@ from flax.linen import fp8_ops  # noqa: E402
 
 import jax_adaloss  # noqa: E402
 from adaloss.config import AdaLossConfig  # noqa: E402
+from jax_adaloss.audit import fp8_casts  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -83,7 +87,7 @@ def lm_methods(blocks: int, scanned: bool) -> dict[str, tuple[Any, tuple[Any, ..
     def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
     out = {"jax.value_and_grad": (jax.value_and_grad(loss), (params, x, y))}
-    for name in ("adaloss", "adaloss e4m3 operands"):
+    for name in ("adaloss", "current", "adaloss e4m3 operands"):
         out[name] = (_stateless(jax_adaloss.value_and_grad(loss, config=AdaLossConfig(**ADALOSS[name]))),
                      (params, x, y))
     return out
@@ -118,12 +122,12 @@ def line(r: dict[str, Any]) -> str:
     """One printed row: the GPU program's converts / the jaxpr's casts per format, GEMMs,
     kernels, memory."""
     conv = " ".join(f"{f[2:]} {r['converts'][f]:3d}/{r['jaxpr_casts'][f]:<3d}" for f in gp.FP8_TYPES)
+    passes = "/".join(str(r['second_passes'][f]) for f in gp.FP8_TYPES)
     return (f"{r['method']:24s} {r['target']} {r['pipeline']:6s} {conv} gemms {r['gemms']:3d} "
             f"reading fp8 {r['gemms_reading_fp8']:3d} fp8 {r['fp8_gemms']:3d} kernels {r['kernels']:4d} "
-            f"MB {r['bytes_accessed'] / 1e6:8.1f} temp MB {r['temp_bytes'] / 1e6:7.1f} "
+            f"MB {r['kernel_bytes'] / 1e6:7.1f} (XLA {r['bytes_accessed'] / 1e6:7.1f}) "
+            f"second passes {passes} (own max {r['own_max']}) temp MB {r['temp_bytes'] / 1e6:6.1f} "
             f"compile {r['compile_s']:.2f}s")
-
-
 
 
 def main() -> None:
@@ -144,11 +148,12 @@ def main() -> None:
                  else lm_methods(args.blocks, model == "lm-scanned"))
         for name, (fun, fargs) in steps.items():
             casts = gp.jaxpr_casts(fun, *fargs)
+            own = sum(c.reads_own_max for c in fp8_casts(fun, *fargs))
             for target in args.targets:
                 for pipeline in args.pipelines:
                     prog = gp.compile_for(fun, *fargs, target=target, pipeline=pipeline)
                     rows.append({"model": model, "method": name, "target": target, "pipeline": pipeline,
-                                 "jaxpr_casts": casts, **prog.row()})
+                                 "jaxpr_casts": casts, "own_max": own, **prog.row()})
                     print(model, line(rows[-1]), flush=True)
     payload = {"mlp": {"dim": args.dim, "layers": args.layers, "batch": args.batch},
                "lm": {"blocks": args.blocks},

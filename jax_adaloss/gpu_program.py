@@ -15,6 +15,7 @@ for many shapes on a device.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import time
@@ -29,6 +30,19 @@ PIPELINES = ("triton", "cublas")
 FP8_TYPES = ("f8e4m3fn", "f8e5m2")
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _GEMM_FUSIONS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cudnn$fusion")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def _array_bytes(shape: str, workspace: bool = False) -> int:
+    """Bytes of an HLO shape (a tuple's arrays summed; ``workspace``: a cuBLAS call's result,
+    whose last array is its scratch space, left out)."""
+    arrays = _ARRAY.findall(shape)
+    if workspace:
+        arrays = arrays[:-1]
+    return sum(_ITEMSIZE.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in arrays)
 
 
 def environment() -> None:
@@ -61,7 +75,14 @@ class GpuProgram:
       fp8_gemms: of those, the FP8 GEMMs: ``__cublas$lt$matmul$f8`` calls and GEMM fusions
         whose dot takes two fp8 operands.
       kernels: fusions and custom calls launched (outside fused computations).
-      bytes_accessed: XLA's generic cost analysis of the optimized module.
+      kernel_bytes: the bytes those kernels move if each reads its operands and writes its
+        results once (cuBLAS workspaces left out): the memory traffic of the program as
+        launched.
+      second_passes: ``{"f8e4m3fn": n, "f8e5m2": n}``, the kernels casting a tensor to that
+        format whose scale needed another kernel to read the tensor first (per-tensor current
+        scaling where the reduction cannot join the kernel that writes the tensor).
+      bytes_accessed: XLA's generic cost analysis of the optimized module (it counts a fused
+        operand once per use inside the fusion, and no kernel boundaries).
       temp_bytes: the executable's temporary allocation.
       compile_s: seconds to lower and compile.
       text: the optimized HLO.
@@ -72,6 +93,8 @@ class GpuProgram:
     gemms_reading_fp8: int
     fp8_gemms: int
     kernels: int
+    kernel_bytes: int
+    second_passes: dict[str, int]
     bytes_accessed: float
     temp_bytes: int
     compile_s: float
@@ -106,8 +129,9 @@ def compile_for(fun: Callable[..., Any], *args: Any, target: str = "h100",
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a), jax.numpy.result_type(a),
                                                         sharding=sharding), args)
     start = time.perf_counter()
-    with compiling_for("cuda"):
-        traced = jax.jit(fun).trace(*specs)
+    with compiling_for("cuda"):  # a fresh function: JAX's trace cache must not hand back (or
+        # keep) a trace made for the CPU, whose bf16 dots adaloss widens
+        traced = jax.jit(lambda *a: fun(*a)).trace(*specs)
     compiled = traced.lower().compile(
         compiler_options={"xla_gpu_enable_triton_gemm": pipeline == "triton"})
     seconds = time.perf_counter() - start
@@ -158,6 +182,7 @@ def read_hlo(text: str) -> dict[str, Any]:
     """The counts of :class:`GpuProgram` from an optimized HLO module's text."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     fused: set[str] = set()
+    shapes: dict[str, str] = {}  # instruction names are unique in a module
     current = None
     for line in text.splitlines():
         m = _COMPUTATION.match(line)
@@ -171,6 +196,7 @@ def read_hlo(text: str) -> dict[str, Any]:
         if m and current is not None:
             name, shape, op, rest = m.groups()
             current.append((name, re.split(r"[\[({]", shape, maxsplit=1)[0] or shape, op, rest))
+            shapes[name] = shape
             if m.group(3) == "fusion":
                 called = re.search(r"calls=%([\w.\-]+)", m.group(4))
                 if called:
@@ -180,9 +206,9 @@ def read_hlo(text: str) -> dict[str, Any]:
             fused.update(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest))
     types = {c: {n: d for n, d, _, _ in instrs} for c, instrs in comps.items()}
     converts = dict.fromkeys(FP8_TYPES, 0)
-    gemms = reading = fp8 = kernels = 0
+    gemms = reading = fp8 = kernels = kernel_bytes = 0
     for comp, instrs in comps.items():
-        for _, dtype, op, rest in instrs:
+        for name, dtype, op, rest in instrs:
             if op == "convert" and dtype in converts:
                 converts[dtype] += 1
             if comp in fused or op not in ("fusion", "custom-call"):
@@ -190,8 +216,10 @@ def read_hlo(text: str) -> dict[str, Any]:
             kernels += 1
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
             operand_types = [types[comp].get(o, "") for o in operands]
+            target = re.search(r'custom_call_target="([^"]+)"', rest) if op == "custom-call" else None
+            kernel_bytes += sum(_array_bytes(shapes.get(o, "")) for o in operands) + _array_bytes(
+                shapes[name], workspace=target is not None and target.group(1) in _GEMM_TARGETS)
             if op == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', rest)
                 if target is None or target.group(1) not in _GEMM_TARGETS:
                     continue
                 gemms += 1
@@ -206,7 +234,74 @@ def read_hlo(text: str) -> dict[str, Any]:
             body = re.search(r"calls=%([\w.\-]+)", rest)
             fp8 += body is not None and _dot_takes_fp8(comps, types, body.group(1))
     return {"converts": converts, "gemms": gemms, "gemms_reading_fp8": reading, "fp8_gemms": fp8,
-            "kernels": kernels}
+            "kernels": kernels, "kernel_bytes": kernel_bytes,
+            "second_passes": _second_passes(comps, fused, shapes)}
+
+
+_WIDE = ("f16", "bf16", "f32")
+
+
+def _elements(shape: str) -> list[int]:
+    """The element counts of an HLO shape's arrays."""
+    return [math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape)]
+
+
+def _second_passes(comps: dict[str, list[tuple[str, str, str, str]]], fused: set[str],
+                   shapes: dict[str, str]) -> dict[str, int]:
+    """Per fp8 format, the kernels that cast a wide tensor to it after another kernel read the
+    same tensor only to reduce it (every result a quarter of its size or less), for the cast
+    (the cast depends on it): the reduction of per-tensor current scaling as a second pass over
+    its tensor. A reduction fused into the kernel that writes the tensor is no second pass."""
+    def converts_in(comp: str, depth: int = 0) -> set[str]:
+        out = set()
+        for _, dtype, op, rest in comps.get(comp, ()):
+            if op == "convert" and dtype in FP8_TYPES:
+                out.add(dtype)
+            elif op == "fusion" and depth < 4:
+                called = re.search(r"calls=%([\w.\-]+)", rest)
+                out |= converts_in(called.group(1), depth + 1) if called else set()
+        return out
+
+    counts = dict.fromkeys(FP8_TYPES, 0)
+    for comp, instrs in comps.items():
+        if comp in fused:
+            continue
+        ops = {name: (op, re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0]), rest)
+               for name, _, op, rest in instrs}
+
+        def buffer(name: str, ops: dict[str, Any] = ops) -> Any:
+            """The buffer an operand names: through bitcasts and tuple elements."""
+            op, operands, rest = ops.get(name, ("", [], ""))
+            if op == "bitcast" and operands:
+                return buffer(operands[0], ops)
+            if op == "get-tuple-element" and operands:
+                return (buffer(operands[0], ops), re.search(r"index=(\d+)", rest).group(1))
+            return name
+
+        wide = {}  # kernel -> {buffer: elements} of its wide array operands
+        for name, (op, operands, _) in ops.items():
+            if op in ("fusion", "custom-call"):
+                wide[name] = {buffer(o): _elements(shapes[o])[0] for o in operands
+                              if shapes.get(o, "").split("[")[0] in _WIDE and "[" in shapes[o]}
+        reductions = {name: {b for b, n in reads.items() if max(_elements(shapes[name]), default=0) * 4 <= n}
+                      for name, reads in wide.items()}  # buffers a kernel only reduces
+        for name, (op, operands, rest) in ops.items():
+            called = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
+            formats = converts_in(called.group(1)) if called else set()
+            if not formats or not wide[name]:
+                continue
+            seen, stack = {name}, list(operands)
+            while stack:  # the instructions the cast depends on
+                a = stack.pop()
+                if a in seen:
+                    continue
+                seen.add(a)
+                if reductions.get(a, set()) & wide[name].keys():
+                    for f in formats:
+                        counts[f] += 1
+                    break
+                stack.extend(ops.get(a, ("", [], ""))[1])
+    return counts
 
 
 def _dot_takes_fp8(comps: dict[str, list[tuple[str, str, str, str]]], types: dict[str, dict[str, str]],

@@ -13,6 +13,7 @@ from flax.linen import fp8_ops
 import jax_adaloss
 from adaloss.config import AdaLossConfig
 from jax_adaloss import gpu_program as gp
+from jax_adaloss.audit import fp8_casts
 
 pytestmark = [pytest.mark.skipif(not gp.available(), reason="needs the gpu-program extra (CUDA plugin)"),
               pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated")]
@@ -87,3 +88,45 @@ def test_every_fp8_cast_survives_and_every_gemm_of_a_quantized_layer_is_an_fp8_g
         assert both.fp8_gemms >= flax.fp8_gemms == 3 * layers - 1
     else:
         assert grads.gemms_reading_fp8 == 2 * layers - 1  # the Triton GEMM fusions read the e5m2 values
+
+
+class _Linear(nn.Module):
+    """Dense layers with no activation between them: each layer's cotangent is a GEMM's output,
+    where a reduction of it cannot join the kernel that writes it."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(LAYERS):
+            x = nn.Dense(DIM, dtype=jnp.bfloat16)(x)
+        return nn.Dense(16, dtype=jnp.bfloat16)(x)
+
+
+@pytest.mark.parametrize("pipeline", gp.PIPELINES)
+def test_no_decided_cast_reads_its_cotangent_twice_where_current_scaling_must(pipeline):
+    model = _Linear()
+    x, y = jnp.ones((BATCH, DIM), jnp.float32), jnp.ones((BATCH, 16), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x, y):
+        return jnp.mean((model.apply(p, x).astype(jnp.float32) - y) ** 2)
+
+    def passes(**kw):
+        config = AdaLossConfig(grad_format="float8_e5m2", **kw)
+        vg = jax_adaloss.value_and_grad(loss, config=config)
+        step = lambda *a: vg(*a, adaloss_state=None)  # noqa: E731
+        own = sum(c.reads_own_max for c in fp8_casts(step, params, x, y))
+        return gp.compile_for(step, params, x, y, pipeline=pipeline).second_passes["f8e5m2"], own
+    # the decided casts are one pass: only a cast no decision fitted (the loss cotangent's) may
+    # read its own max
+    assert passes() == (1, 1)
+    assert passes(fp8_rule="current") == (LAYERS + 1, LAYERS + 1)  # every cast: two passes
+
+
+def test_a_cpu_trace_of_the_same_step_neither_leaks_into_nor_takes_the_gpu_program():
+    config = AdaLossConfig(grad_format="float8_e5m2")
+    fun, args = _step(config)
+    fresh = gp.compile_for(*_step(config)[:1], *args, pipeline="cublas")
+    jax.block_until_ready(jax.jit(fun)(*args))  # traced for the CPU first (bf16 dots widened)
+    gpu = gp.compile_for(fun, *args, pipeline="cublas")
+    assert (gpu.kernel_bytes, gpu.kernels) == (fresh.kernel_bytes, fresh.kernels)
+    jax.block_until_ready(jax.jit(fun)(*args))  # and the CPU still runs its own
