@@ -232,14 +232,20 @@ def gpu_program(docs: Path) -> str:
     def conv(r: dict[str, Any]) -> str:
         c, j = r["converts"], r["jaxpr_casts"]
         return f"{c['f8e4m3fn']} ({j['f8e4m3fn']}) / {c['f8e5m2']} ({j['f8e5m2']})"
+
+    def ratio(a: dict[str, Any], b: dict[str, Any], key: str = "kernel_bytes") -> str:
+        return f"{a[key] / b[key]:.2f}×"
     lines = ["| method | pipeline | e4m3 / e5m2 converts (the jaxpr's) | GEMMs: FP8 / all (reading fp8) "
-             "| MB accessed | temp MB |", "|---|---|---|---|---|---|"]
-    for method in ("flax Fp8DotGeneralOp", "adaloss", "current", "adaloss e4m3 operands",
-                   "current e4m3 operands"):
+             "| kernels | MB moved (XLA's count) | second passes e4m3 / e5m2 | temp MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for method in ("jax.value_and_grad", "flax Fp8DotGeneralOp", "adaloss", "current", "one scale",
+                   "adaloss e4m3 operands", "current e4m3 operands"):
         for pipeline in ("triton", "cublas"):
             r = get("mlp", method, pipeline)
+            sp = r["second_passes"]
             lines.append(f"| {method} | {pipeline} | {conv(r)} | {r['fp8_gemms']} / {r['gemms']} "
-                         f"({r['gemms_reading_fp8']}) | {r['bytes_accessed'] / 1e6:.1f} | "
+                         f"({r['gemms_reading_fp8']}) | {r['kernels']} | {r['kernel_bytes'] / 1e6:.1f} "
+                         f"({r['bytes_accessed'] / 1e6:.1f}) | {sp['f8e4m3fn']} / {sp['f8e5m2']} | "
                          f"{r['temp_bytes'] / 1e6:.1f} |")
     lm = {m: (get(m, "adaloss", "triton"), get(m, "adaloss e4m3 operands", "triton"))
           for m in ("lm-unrolled", "lm-scanned")}
@@ -251,22 +257,39 @@ def gpu_program(docs: Path) -> str:
                 f"operands, {both['fp8_gemms']} FP8 GEMMs of {both['gemms']} (the other "
                 f"{both['gemms'] - both['fp8_gemms']} multiply activations: attention), keeping "
                 f"{both['converts'][e4]} of the jaxpr's {both['jaxpr_casts'][e4]} operand casts")
+
+    def passes(model: str, method: str) -> str:
+        t, c = get(model, method, "triton"), get(model, method, "cublas")
+        return (f"{t['second_passes']['f8e5m2']} (Triton) and {c['second_passes']['f8e5m2']} (cuBLAS) "
+                f"of its {t['jaxpr_casts']['f8e5m2']} casts, {t['own_max']} of which read their own max")
     blocks = _json(docs, "gpu_program.json")["lm"]["blocks"]
-    ratio = {p: get("mlp", "adaloss", p)["bytes_accessed"]
-             / get("mlp", "flax Fp8DotGeneralOp", p)["bytes_accessed"] for p in ("triton", "cublas")}
-    both, flax = get("mlp", "adaloss e4m3 operands", "cublas"), get("mlp", "flax Fp8DotGeneralOp", "cublas")
-    cur, ada = get("mlp", "current", "cublas"), get("mlp", "adaloss", "cublas")
+    flax, ada, cur = (get("mlp", m, "cublas") for m in ("flax Fp8DotGeneralOp", "adaloss", "current"))
+    both = get("mlp", "adaloss e4m3 operands", "cublas")
+
+    def vs_current(model: str) -> str:
+        return ", ".join(f"{ratio(get(model, 'adaloss', p), get(model, 'current', p))} ({name})"
+                         for p, name in (("triton", "Triton"), ("cublas", "cuBLAS")))
     lines += ["", f"- The depth benchmark's LM ({blocks} blocks, fp16 forward), Triton pipeline: unrolled, "
               f"{lm_text('lm-unrolled')}; scanned (a loop body counted once), {lm_text('lm-scanned')}. "
               "Every GEMM with a weight reads fp8 values; the operand casts XLA drops are dead or "
               "duplicate ones.",
-              f"- Bytes: adaloss's gradient casts read {ratio['triton']:.2f}× (Triton) and "
-              f"{ratio['cublas']:.2f}× (cuBLAS) flax's FP8 step; with e4m3 operands "
-              f"{both['bytes_accessed'] / flax['bytes_accessed']:.2f}× its bytes and "
-              f"{both['temp_bytes'] / flax['temp_bytes']:.2f}× its temporary memory (cuBLAS). "
-              f"Per-tensor current scaling of the gradients alone reads "
-              f"{cur['bytes_accessed'] / ada['bytes_accessed']:.2f}× adaloss's (cuBLAS)."]
+              f"- Second passes over a cotangent, LM unrolled: current scaling makes "
+              f"{passes('lm-unrolled', 'current')}; adaloss {passes('lm-unrolled', 'adaloss')}.",
+              f"- MB moved, adaloss's e5m2 gradients against current scaling's: MLP "
+              f"{vs_current('mlp')}; LM unrolled {vs_current('lm-unrolled')}. Against flax's FP8 "
+              f"step (cuBLAS): {ratio(ada, flax)} its bytes and {ratio(ada, flax, 'temp_bytes')} its "
+              f"temporary memory; with e4m3 operands (the same work as flax's) {ratio(both, flax)} and "
+              f"{ratio(both, flax, 'temp_bytes')}. adaloss's temporary memory is "
+              f"{ratio(ada, cur, 'temp_bytes')} current scaling's (cuBLAS)."]
     return "\n".join(lines)
+
+
+def fp8_depth(docs: Path) -> str:
+    """Per-layer scales against one scale, current and delayed scaling in FP8 at depth
+    (``docs/fp8_depth.json``, written by ``python benchmarks/fp8_depth.py``)."""
+    from adaloss_zoo.fp8_tables import depth_summary, depth_table
+    payload = _json(docs, "fp8_depth.json")
+    return "\n".join([depth_table(payload), "", *depth_summary(payload)])
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
@@ -279,6 +302,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "skips": skips,
     "fp8": fp8,
     "gpu-program": gpu_program,
+    "fp8-depth": fp8_depth,
 }
 
 

@@ -230,3 +230,50 @@ def section(data: dict[str, Any]) -> list[str]:
         parts += ["### PyTorch: the bridge against torchao", "", *torch_summary(trows), "",
                   torch_table(trows), ""]
     return parts
+
+
+#: ``benchmarks/fp8_depth.py``'s methods, in the table's order
+DEPTH_COLUMNS = ("adaloss", "one scale", "current", "delayed")
+
+
+def _depth_cells(payload: dict[str, Any]) -> list[tuple[int, str, float, str, dict[str, dict[str, float]]]]:
+    """(blocks, state, train loss or nan, format, {method: {"median", "worst"}}) per measured row."""
+    return [(r["blocks"], state, r["train_loss"] if state == "trained" else float("nan"), f, errs)
+            for r in payload["rows"] for state in ("untrained", "trained") for f, errs in r[state].items()]
+
+
+def depth_table(payload: dict[str, Any]) -> str:
+    """``benchmarks/fp8_depth.py``'s rows: per depth, state and format, each method's median /
+    worst per-parameter error against the fp32 backward."""
+    lines = ["| blocks | state | gradients | " + " | ".join(DEPTH_COLUMNS) + " |",
+             "|---|---|---|" + "---|" * len(DEPTH_COLUMNS)]
+    for blocks, state, loss, f, errs in _depth_cells(payload):
+        label = state if not np.isfinite(loss) else f"{state} (loss {loss:.2f})"
+        cells = " | ".join(f"{errs[n]['median']:.3g} / {errs[n]['worst']:.3g}" for n in DEPTH_COLUMNS)
+        lines.append(f"| {blocks} | {label} | {f.removeprefix('float8_')} | {cells} |")
+    return "\n".join(lines)
+
+
+def depth_summary(payload: dict[str, Any]) -> list[str]:
+    """Per format, how often the per-layer scales beat (and lose to) one scale and current
+    scaling by more than ``TOL``, on the median and on the worst parameter, and the largest
+    gain over one scale."""
+    out = []
+    cells = _depth_cells(payload)
+    for f in dict.fromkeys(c[3] for c in cells):
+        rows = [c[4] for c in cells if c[3] == f]
+        parts = []
+        for other in ("one scale", "current"):
+            counts = []
+            for stat, label in (("median", "median error"), ("worst", "worst parameter's")):
+                won = sum(e["adaloss"][stat] < (1 - TOL) * e[other][stat] for e in rows)
+                lost = sum(e["adaloss"][stat] > (1 + TOL) * e[other][stat] for e in rows)
+                counts.append(f"{label} lower on {won} of {len(rows)} rows, higher on {lost}")
+            parts.append(f"against {other}: " + "; ".join(counts))
+        gain = {s: max(e["one scale"][s] / e["adaloss"][s] for e in rows) for s in ("median", "worst")}
+        verdict = (" Per-layer scales never beat one scale here." if max(gain.values()) <= 1 + TOL else
+                   f" The largest gain over one scale: {gain['median']:.2f}× on a median, "
+                   f"{gain['worst']:.2f}× on a worst parameter.")
+        out.append(f"- **{f.removeprefix('float8_')}**, adaloss (more than {TOL:.0%} apart) "
+                   + "; ".join(parts) + "." + verdict)
+    return out

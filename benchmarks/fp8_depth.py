@@ -46,6 +46,7 @@ from adaloss_study.corpus import batches, load_corpus
 from adaloss_study.overhead import machine
 from adaloss_zoo import jax_zoo as jz
 from adaloss_zoo.fp8_delayed import count_layers, delayed_value_and_grad, init_metas
+from adaloss_zoo.fp8_tables import depth_summary, depth_table
 from adaloss_zoo.metrics import grad_error
 
 FORMATS = ("float8_e5m2", "float8_e4m3fn")
@@ -135,19 +136,6 @@ def measure(blocks: int, steps: int, formats: tuple[str, ...], seed: int = 0) ->
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: per depth, state and format, each method's median / worst error."""
-    names = (*METHODS, "delayed")
-    lines = ["| blocks | state | gradients | " + " | ".join(names) + " |",
-             "|---|---|---|" + "---|" * len(names)]
-    for r in rows:
-        for state in ("untrained", "trained"):
-            for fmt, errs in r[state].items():
-                cells = " | ".join(f"{errs[n]['median']:.3g} / {errs[n]['worst']:.3g}" for n in names)
-                lines.append(f"| {r['blocks']} | {state} | {fmt.removeprefix('float8_')} | {cells} |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 64])
@@ -158,10 +146,10 @@ def main() -> None:
     rows = []
     for blocks in args.blocks:
         rows.append(measure(blocks, args.steps, tuple(args.formats)))
-        args.json.write_text(json.dumps({"machine": machine(), "jax": jax.__version__, "rows": rows},
-                                        indent=1) + "\n")
-        print(table(rows[-1:]), flush=True)
-    print(table(rows))
+        payload = {"machine": machine(), "jax": jax.__version__, "steps": args.steps, "rows": rows}
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        print(depth_table({"rows": rows[-1:]}), flush=True)
+    print(depth_table(payload), *depth_summary(payload), sep="\n")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ class GpuProgram:
         results once (cuBLAS workspaces left out): the memory traffic of the program as
         launched.
       second_passes: ``{"f8e4m3fn": n, "f8e5m2": n}``, the kernels casting a tensor to that
-        format whose scale needed another kernel to read the tensor first (per-tensor current
-        scaling where the reduction cannot join the kernel that writes the tensor).
+        format whose scale needed another kernel to read the tensor first, other than
+        through a GEMM (per-tensor current scaling where the reduction cannot join the kernel
+        that writes the tensor).
       bytes_accessed: XLA's generic cost analysis of the optimized module (it counts a fused
         operand once per use inside the fusion, and no kernel boundaries).
       temp_bytes: the executable's temporary allocation.
@@ -216,21 +217,16 @@ def read_hlo(text: str) -> dict[str, Any]:
             kernels += 1
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
             operand_types = [types[comp].get(o, "") for o in operands]
-            target = re.search(r'custom_call_target="([^"]+)"', rest) if op == "custom-call" else None
+            gemm = _is_gemm(op, rest)
             kernel_bytes += sum(_array_bytes(shapes.get(o, "")) for o in operands) + _array_bytes(
-                shapes[name], workspace=target is not None and target.group(1) in _GEMM_TARGETS)
-            if op == "custom-call":
-                if target is None or target.group(1) not in _GEMM_TARGETS:
-                    continue
-                gemms += 1
-                reading += any(t in FP8_TYPES for t in operand_types)
-                fp8 += target.group(1).endswith("$f8")
-                continue
-            kind = re.search(r'"kind":"([^"]+)"', rest)
-            if kind is None or kind.group(1) not in _GEMM_FUSIONS:
+                shapes[name], workspace=gemm and op == "custom-call")
+            if not gemm:
                 continue
             gemms += 1
             reading += any(t in FP8_TYPES for t in operand_types)
+            if op == "custom-call":
+                fp8 += re.search(r'custom_call_target="([^"]+)"', rest).group(1).endswith("$f8")
+                continue
             body = re.search(r"calls=%([\w.\-]+)", rest)
             fp8 += body is not None and _dot_takes_fp8(comps, types, body.group(1))
     return {"converts": converts, "gemms": gemms, "gemms_reading_fp8": reading, "fp8_gemms": fp8,
@@ -239,6 +235,15 @@ def read_hlo(text: str) -> dict[str, Any]:
 
 
 _WIDE = ("f16", "bf16", "f32")
+
+
+def _is_gemm(op: str, rest: str) -> bool:
+    """Whether a kernel is a GEMM: a cuBLAS(Lt) call or a GEMM fusion."""
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        return target is not None and target.group(1) in _GEMM_TARGETS
+    kind = re.search(r'"kind":"([^"]+)"', rest) if op == "fusion" else None
+    return kind is not None and kind.group(1) in _GEMM_FUSIONS
 
 
 def _elements(shape: str) -> list[int]:
@@ -250,8 +255,9 @@ def _second_passes(comps: dict[str, list[tuple[str, str, str, str]]], fused: set
                    shapes: dict[str, str]) -> dict[str, int]:
     """Per fp8 format, the kernels that cast a wide tensor to it after another kernel read the
     same tensor only to reduce it (every result a quarter of its size or less), for the cast
-    (the cast depends on it): the reduction of per-tensor current scaling as a second pass over
-    its tensor. A reduction fused into the kernel that writes the tensor is no second pass."""
+    (the cast depends on it, not through a GEMM, whose input is another tensor): the reduction
+    of per-tensor current scaling as a second pass over its tensor. A reduction fused into the
+    kernel that writes the tensor is no second pass."""
     def converts_in(comp: str, depth: int = 0) -> set[str]:
         out = set()
         for _, dtype, op, rest in comps.get(comp, ()):
@@ -300,7 +306,8 @@ def _second_passes(comps: dict[str, list[tuple[str, str, str, str]]], fused: set
                     for f in formats:
                         counts[f] += 1
                     break
-                stack.extend(ops.get(a, ("", [], ""))[1])
+                if not _is_gemm(*ops.get(a, ("", [], ""))[::2]):  # a GEMM's input is no
+                    stack.extend(ops.get(a, ("", [], ""))[1])    # statistic of the cast's tensor
     return counts
 
 
