@@ -90,6 +90,8 @@ def run_pair(name: str, steps: int, config: AdaLossConfig, lr: float, loss_facto
     tx = jax_adaloss.adaloss(config)
     state = tx.init(params)
     model = PAIRS[name][1]()
+    if config.operand_format is not None:  # JAX quantizes every weight's dot_general
+        model = torch_bridge.convert_to_float8_training(model, config)
     scaler = torch_bridge.AdaLossScaler(model, config, capture=True)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     jax_records, torch_records = [], []

@@ -210,3 +210,17 @@ def test_fp8_scales_and_fractions_match_across_frameworks(model, fmt):
                                                                                         b.fractions[name])
             compared += 1
     assert compared and any(s != 1.0 for r in jx for k, s in r.scale.items() if not k.startswith("cast:"))
+
+
+def test_fp8_gemm_layers_decide_the_same_scales_across_frameworks(model="residual"):
+    """e4m3 operands and e5m2 gradients: JAX's ``operand_format`` dot_generals against torch's
+    converted layers (``convert_to_float8_training``), whose GEMMs are ``torch._scaled_mm``."""
+    cfg = AdaLossConfig(grad_format="float8_e5m2", operand_format="float8_e4m3fn")
+    jx, tr = run_pair(model, FP8_STEPS, cfg, LR, LOSS_FACTOR, dtype="bfloat16")
+    result = compare(jx, tr, rel=2.0 ** -2, underflow_tol=UNDERFLOW_TOL,
+                     mean_underflow_tol=MEAN_UNDERFLOW_TOL, grad_tol=FP8_GRAD_TOL,
+                     signal_tol=float("inf"))
+    assert not result.mismatches, "\n".join(result.mismatches)
+    assert len({b.split(" ")[1] for b in result.boundary}) <= 1, result.boundary  # one step at most
+    assert not result.grad_diffs, "\n".join(result.grad_diffs)
+    assert any(s != 1.0 for r in jx for k, s in r.scale.items() if not k.startswith("cast:"))

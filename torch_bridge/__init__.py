@@ -9,9 +9,11 @@ importing it does not import JAX.
 
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, LayerUnderflow
+from torch_bridge.float8 import Float8Linear, convert_to_float8_training
 from torch_bridge.graph import ScalePlan
 from torch_bridge.scaler import AdaLossScaler, IncompatibleLayers
 from torch_bridge.underflow import layer_cotangents, measure_underflow
 
-__all__ = ["AdaLossConfig", "AdaLossScaler", "IncompatibleLayers", "LayerReport", "LayerUnderflow",
-           "ScalePlan", "layer_cotangents", "measure_underflow"]
+__all__ = ["AdaLossConfig", "AdaLossScaler", "Float8Linear", "IncompatibleLayers", "LayerReport",
+           "LayerUnderflow", "ScalePlan", "convert_to_float8_training", "layer_cotangents",
+           "measure_underflow"]

@@ -40,6 +40,8 @@ import torch
 
 from adaloss.report import Coverage
 
+FP8_NODE = "_Float8MatmulBackward"  # torch_bridge.float8's layer (a name: no import of it here)
+
 # name -> (operand positions (a, b) of a @ b, saved attribute of each operand)
 _MATMUL: dict[str, tuple[tuple[int, int], tuple[str, str]]] = {
     "MmBackward0": ((0, 1), ("_saved_self", "_saved_mat2")),
@@ -50,6 +52,9 @@ _MATMUL: dict[str, tuple[tuple[int, int], tuple[str, str]]] = {
     "AddmvBackward0": ((1, 2), ("_saved_mat", "_saved_vec")),
     # torch._grouped_mm (transformers' default MoE experts): tokens [T, K] @ experts [E, K, N]
     "GroupedMmBackward0": ((0, 1), ("_saved_self", "_saved_mat2")),
+    # torch_bridge.float8's x @ w (its GEMMs torch._scaled_mm, its weight gradient fp32): no
+    # saved attribute is read (the weight's statistics come from its fp8 values)
+    FP8_NODE: ((0, 1), ("", "")),
 }
 _CONV = "ConvolutionBackward0"  # edges: input 0, weight 1, bias 2
 # nodes whose forward read a tensor by data-dependent indices (the indices are no edge)
@@ -378,8 +383,9 @@ class _Builder:
         elif kind not in _VECTOR:
             plan.act_attr, plan.weight_side = attrs[1 - w], w
         if edges[act] is None:  # the first layer: its input needs no gradient, nothing to scale;
-            # its fp16 weight gradient is still guarded (see ScaledBackward._input_layer)
-            if plan.act_attr and edges[operands[w]] is not None:
+            # its fp16 weight gradient is still guarded (see ScaledBackward._input_layer), an fp8
+            # layer's cotangent still cast
+            if (plan.act_attr or kind == FP8_NODE) and edges[operands[w]] is not None:
                 plan.kind, plan.name = "input", origins[w]
             return False
         producer = edges[operands[w]]
@@ -444,7 +450,7 @@ class _Builder:
         node = self.nodes[plan.index]
         if node.name().startswith(_REGIONS):
             return True
-        if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        if node.name() == FP8_NODE or not isinstance(node, torch.autograd.function.BackwardCFunction):
             return False
         return any(e is not None and self.plans[e[0]].leaf and self.origin[e[0]] is not _ACT
                    for e in plan.edges)

@@ -36,9 +36,20 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
 from torch_bridge._xp import ON_TENSORS, ScalarMath, scalar_math, xp
-from torch_bridge.graph import NO_DECISION, NodePlan, ScalePlan, peek_saved, python_number, read_saved
+from torch_bridge.graph import (
+    FP8_NODE,
+    NO_DECISION,
+    NodePlan,
+    ScalePlan,
+    peek_saved,
+    python_number,
+    read_saved,
+)
 
 _F32 = torch.float32
+#: what the hook of a ``torch_bridge.float8`` layer sets on its node: the cotangent in fp8 and
+#: the scale its GEMMs multiply by
+FP8_COTANGENT = "_adaloss_fp8_cotangent"
 
 # (param, this backward's gradient, its scale, the scale .grad carries now or None: the
 # scaler knows) -> (gradient to accumulate, scale .grad then carries)
@@ -672,7 +683,7 @@ class ScaledBackward:
             fit = solver.fp8_fit_scale(cfg, self.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, self.bo)
             g, incoming = self._rescale(g, fit.scale), incoming * fit.scale
         behind = self.deciders.get(p.sym, frozenset())
-        gq, q_absmax, fractions = self._quantize(g, behind)
+        q, gq, q_absmax, fractions = self._quantize(g, behind)
         wcap = self._weight_grad_cap(p, gq)
         if p.kind == "input":  # no decision: only the node's 16-bit weight gradient capped
             r = sx.ones_like(incoming) if wcap is None else solver.at_most(wcap, sx)
@@ -704,13 +715,20 @@ class ScaledBackward:
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         self.fitted.add(p.send)
-        go[0] = self._rescale(gq, d.scale)
+        node = self.plan.nodes[p.index]
+        if node.name() == FP8_NODE:  # its GEMMs read q itself, times the scale; its bias
+            setattr(node, FP8_COTANGENT, (q, self.sm.to_torch(d.scale).to(g.device)))
+            go[0] = g  # gradient sums the 16-bit cotangent
+        else:
+            go[0] = self._rescale(gq, d.scale)
         self.decisions[p.name] = _Decision(kind, d, d.sigma, incoming, outgoing, self.sm.to_xp(q_absmax),
                                            p.fan_in, held, fractions, current)
 
-    def _quantize(self, g: torch.Tensor, behind: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the values the node's
-        GEMMs read (in ``g``'s dtype, exactly), their ``max|q|`` and the cast's fractions; the
+    def _quantize(self, g: torch.Tensor, behind: frozenset[str]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the fp8 values, the
+        same in ``g``'s dtype (exactly: what a node's 16-bit GEMMs read), their ``max|q|`` and the
+        cast's fractions; the
         decisions ``behind`` the scale hear the fractions' signal (:func:`adaloss.solver.fp8_signal`)."""
         cfg = self.config
         q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
@@ -721,7 +739,7 @@ class ScaledBackward:
             signal = solver.fp8_signal(cfg, *fractions, q_absmax, torch.special.erfinv, xp)
             for name in behind:
                 self.fractions[name].append(signal)
-        return gq, q_absmax, fractions
+        return q, gq, q_absmax, fractions
 
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
         """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
@@ -769,6 +787,9 @@ class ScaledBackward:
         """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
         by hooks (``torch.utils.checkpoint``: reading it here would leave none for the node's
         own backward), the same values rebuilt from the parameter (``NodePlan.recipe``)."""
+        node = self.plan.nodes[p.index]
+        if node.name() == FP8_NODE:
+            return node._forward_cls.weight_for_statistics(node)
         saved = self._saved(p, p.weight_attr)
         if saved is not None:
             return saved

@@ -71,6 +71,28 @@ def _fresh_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf": {}}
 
 
+def _check_float8_layers(model: torch.nn.Module, config: AdaLossConfig) -> None:
+    """The fp8 layers of ``model`` (:mod:`torch_bridge.float8`) and ``config`` agree: an
+    ``operand_format`` is what those layers' forward does, nothing the scaler can do alone."""
+    from torch_bridge.float8 import Float8Linear
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    if config.operand_format is None and not layers:
+        return
+    if not layers:
+        raise ValueError(
+            f"AdaLossConfig.operand_format={config.operand_format!r} (fp8 layer inputs and weights): "
+            "the scaler sees a module's graph after its forward has run, so the forward must be "
+            "converted first: torch_bridge.convert_to_float8_training(model, config), then "
+            "AdaLossScaler(model, config).")
+    for name, m in layers.items():
+        if (m.config.grad_format, m.config.operand_format) != (config.grad_format, config.operand_format):
+            raise ValueError(
+                f"the fp8 layer {name} was converted with grad_format={m.config.grad_format!r}, "
+                f"operand_format={m.config.operand_format!r}, but the scaler's config has "
+                f"grad_format={config.grad_format!r}, operand_format={config.operand_format!r}: "
+                "give both the same AdaLossConfig.")
+
+
 class AdaLossScaler:
     """Adaptive loss scaling for an unmodified ``nn.Module`` (method: Zhao et al., 2019).
 
@@ -118,13 +140,7 @@ class AdaLossScaler:
         config = AdaLossConfig() if config is None else config
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
-        if config.operand_format is not None:
-            raise NotImplementedError(
-                f"AdaLossConfig.operand_format={config.operand_format!r} (fp8 layer inputs and weights) "
-                "is implemented in jax_adaloss only: the bridge sees a module's graph after its forward "
-                "has run. Leave operand_format=None (the gradients are still stored in "
-                f"{config.grad_format}), or quantize the forward with torchao's "
-                "convert_to_float8_training (whose gradient casts are per-tensor current scaling).")
+        _check_float8_layers(model, config)
         self._model = model
         self._config = config
         self._enabled = bool(enabled)
