@@ -34,10 +34,8 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(model, batch, scaler=None):
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = tz._lm_loss(model, batch)
+def _step(case, model, batch, scaler=None):
+    loss = tz._forward(case, model, batch, 1.0, 0, torch.bfloat16)  # seeded: the reference's dropout
     (loss if scaler is None else scaler.scale(loss)).backward()
     if scaler is not None:
         scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
@@ -46,13 +44,14 @@ def _step(model, batch, scaler=None):
 
 @pytest.mark.parametrize("case", ["hf-gpt2", "hf-llama"])  # HF Conv1D; nn.Linear
 def test_every_gemm_of_a_converted_layer_is_one_scaled_mm(case):
-    model, batch = tz.CASES[case].build(0)
-    ref = _step(copy.deepcopy(model).float(), batch)
+    case = tz.CASES[case]
+    model, batch = case.build(0)
+    ref = _step(case, copy.deepcopy(model), batch)  # the same bf16 forward, its GEMMs in bf16
     torch_bridge.convert_to_float8_training(model, CONFIG)
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     scaler = torch_bridge.AdaLossScaler(model, CONFIG)
     with _Ops() as counted:
-        grads = _step(model, batch, scaler)
+        grads = _step(case, model, batch, scaler)
     # forward, input gradient, weight gradient: every converted layer's input needs a gradient
     assert counted.ops["_scaled_mm"] == 3 * len(layers) > 0
     assert counted.ops["mm"] == counted.ops["addmm"] == 0  # no 16-bit GEMM of a layer is left
