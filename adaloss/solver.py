@@ -51,6 +51,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import ml_dtypes
+import numpy as np
+
 from adaloss.config import AdaLossConfig
 
 Array = Any  # a 0-d or n-d array of the caller's framework
@@ -386,8 +389,8 @@ def to_fp8(g: Array, dtype: Any, limit: float, xp: Any) -> Array:
     max) first, its non-finite ones made NaN: a cast never makes an inf or NaN of a finite value
     (JAX's e4m3fn cast gives NaN beyond ~464, e5m2's inf beyond ~61440) nor a finite value of a
     non-finite one (torch's e4m3fn cast saturates inf to 448), so a non-finite step is skipped."""
-    nan = xp.full_like(g, math.nan)
-    return xp.astype(xp.where(xp.isfinite(g), xp.clip(g, -limit, limit), nan), dtype)
+    # g - g: 0 where g is finite, NaN where it is not (one elementwise op, no mask and select)
+    return xp.astype(xp.clip(g, -limit, limit) + (g - g), dtype)
 
 
 def operand_scale(config: AdaLossConfig, x_absmax: Array, xp: Any) -> Array:
@@ -400,24 +403,42 @@ def operand_scale(config: AdaLossConfig, x_absmax: Array, xp: Any) -> Array:
     return xp.where(ok, s, xp.ones_like(s))
 
 
+def _exact_in(value: float, dtype: Any) -> bool:
+    """Whether ``value`` is a number of ``dtype`` (a JAX, NumPy or torch float dtype): a
+    comparison with it can run in that dtype."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        np_dtype = np.dtype(getattr(ml_dtypes, name, name))
+    except TypeError:
+        return False
+    return bool(np.asarray(value, np_dtype).astype(np.float64) == value)
+
+
+def _abs_for(x: Array, limit: float, xp: Any) -> Array:
+    """``|x|`` in ``x``'s dtype where ``limit`` is one of its numbers, else in fp32."""
+    return xp.abs(x if _exact_in(limit, x.dtype) else _f32(x, xp))
+
+
 def quantized_fractions(g: Array, q: Array, config: AdaLossConfig, xp: Any) -> tuple[Array, Array, Array]:
-    """FP8 telemetry of one cast of ``g`` (as carried) to ``q`` (fp8): the fractions of ``g``'s
-    non-zero entries flushed to zero, held below the format's smallest normal (non-zero), and
-    saturated (``|g|`` beyond the format's max), in fp32 (0 when ``g`` is all zero).
+    """FP8 telemetry of one cast of ``g`` (as carried) to ``q`` (the fp8 values, in the fp8 dtype
+    or any dtype that holds them exactly): the fractions of ``g``'s non-zero entries flushed to
+    zero, held below the format's smallest normal (non-zero), and saturated (``|g|`` beyond the
+    format's max), in fp32 (0 when ``g`` is all zero).
 
     Each count reads one tensor alone (a zero of ``g`` casts to a zero of ``q``, a non-zero ``q``
     has a non-zero ``g``): the counts of ``g`` can join the kernel that writes ``g``, those of
-    ``q`` the kernel that reads ``q``, and no kernel reads both."""
-    def count(mask: Array) -> Array:
-        return xp.sum(xp.astype(mask, xp.float32))
+    ``q`` the kernel that reads ``q``, and no kernel reads both. Counts are integers and
+    comparisons run in the tensors' own dtypes where the limits are exact there (an eager
+    framework makes one pass for each op)."""
+    def count(x: Array) -> Array:
+        return xp.astype(xp.count_nonzero(x), xp.float32)
 
-    g = _f32(g, xp)
-    a = xp.abs(_f32(q, xp))
     size = float(math.prod(g.shape))
-    zeros = count(g == 0)
-    denom = xp.maximum(size - zeros, xp.ones_like(zeros))
-    return ((count(a == 0) - zeros) / denom, count((a > 0) & (a < config.underflow_limit)) / denom,
-            count(xp.abs(g) > config.overflow_limit) / denom)
+    nonzero_g, nonzero_q = count(g), count(q)  # NaN is non-zero in both
+    denom = xp.maximum(nonzero_g, xp.ones_like(nonzero_g))
+    held = count(_abs_for(q, config.underflow_limit, xp) < config.underflow_limit) - (size - nonzero_q)
+    saturated = count(_abs_for(g, config.overflow_limit, xp) > config.overflow_limit)
+    return (nonzero_g - nonzero_q) / denom, held / denom, saturated / denom
 
 
 def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturated: Array,

@@ -200,3 +200,25 @@ def test_weight_grad_cap_bounds_a_16_bit_weight_and_bias_gradient():
     assert np.abs(x.T @ (s * g)).max() <= 65504 and np.abs((s * g).sum(0)).max() <= 65504
     d = solver.layer_scale(cfg, G, W, 64, ONE, jnp, extra_cap=F(3.0))
     assert float(d.scale) == 2.0
+
+
+@pytest.mark.parametrize("u_min", [None, 3e-5])  # 3e-5: no bf16 or fp8 number: compared in fp32
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_quantized_fractions_count_what_the_cast_did(u_min, framework):
+    """Flushed, held below the smallest normal and saturated, against a count by hand, with
+    non-finite and zero entries, in either framework's dtypes (fp8 in JAX, bf16 in torch)."""
+    cfg = AdaLossConfig(grad_format="float8_e5m2", u_min=u_min)
+    g = np.concatenate([np.logspace(-9, 6, 200), -np.logspace(-8, 5, 100), [0.0, 0.0, np.inf, np.nan]])
+    g = np.asarray(jnp.asarray(g, jnp.bfloat16).astype(jnp.float32))
+    q = np.clip(g, -cfg.overflow_limit, cfg.overflow_limit).astype(jnp.float8_e5m2).astype(np.float32)
+    nz = (g != 0).sum()
+    want = [((g != 0) & (q == 0)).sum() / nz, ((q != 0) & (np.abs(q) < cfg.underflow_limit)).sum() / nz,
+            (np.abs(g) > cfg.overflow_limit).sum() / nz]
+    if framework == "jax":
+        got = solver.quantized_fractions(jnp.asarray(g, jnp.bfloat16), jnp.asarray(q, jnp.float8_e5m2), cfg, jnp)
+    else:
+        torch = pytest.importorskip("torch")
+        from torch_bridge._xp import xp
+        got = solver.quantized_fractions(torch.tensor(g).bfloat16(), torch.tensor(q).bfloat16(), cfg, xp)
+    assert all(0 < w < 1 for w in want)
+    np.testing.assert_allclose([float(x) for x in got], want, rtol=1e-6)

@@ -52,7 +52,9 @@ def quantize(x: torch.Tensor, config: AdaLossConfig, fmt: str, limit: float, sca
     scale as a 0-d fp32 tensor: ``x ≈ q / s``."""
     if scale is None:
         scale = solver.operand_scale(config, x.abs().amax().to(_F32), xp)
-    return solver.to_fp8(x.to(_F32) * scale, getattr(torch, fmt), limit, xp), scale
+    # a power of two scales a 16-bit x exactly in its own dtype (one pass, no fp32 copy)
+    y = x * scale if config.power_of_two and x.dtype.itemsize == 2 else x.to(_F32) * scale
+    return solver.to_fp8(y, getattr(torch, fmt), limit, xp), scale
 
 
 def _gemm_dtype(dtype: torch.dtype, power_of_two: bool) -> torch.dtype:

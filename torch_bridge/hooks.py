@@ -734,7 +734,7 @@ class ScaledBackward:
         q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
         gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
         q_absmax = gq.abs().amax().to(_F32)
-        fractions = solver.quantized_fractions(g, q, cfg, xp)
+        fractions = solver.quantized_fractions(g, gq, cfg, xp)  # gq: q in a dtype torch reduces
         if cfg.underflow_feedback:
             signal = solver.fp8_signal(cfg, *fractions, q_absmax, torch.special.erfinv, xp)
             for name in behind:
