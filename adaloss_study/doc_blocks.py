@@ -292,6 +292,16 @@ def fp8_depth(docs: Path) -> str:
     return "\n".join([depth_table(payload), "", *depth_summary(payload)])
 
 
+def torch_fp8(docs: Path) -> str:
+    """FP8 GEMMs in PyTorch, adaloss against torchao and bf16: step time and error
+    (``docs/torch_fp8.json``, written by ``python benchmarks/torch_fp8.py``)."""
+    from adaloss_zoo.fp8_tables import gemm_summary, gemm_table
+    payload = _json(docs, "torch_fp8.json")
+    return "\n".join([f"`{payload['machine']}`, batch {payload['batch']} × {payload['seq']} tokens, "
+                      f"median of {payload['repeats']} alternating rounds:", "", gemm_table(payload), "",
+                      *gemm_summary(payload)])
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "readme-results": readme_results,
     "study-cases": study_cases,
@@ -303,6 +313,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "fp8": fp8,
     "gpu-program": gpu_program,
     "fp8-depth": fp8_depth,
+    "torch-fp8": torch_fp8,
 }
 
 

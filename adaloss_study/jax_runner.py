@@ -64,17 +64,18 @@ from jax_adaloss.underflow import compare_cotangents
 
 METHODS = ("fp32", "fp16", "static", "dynamic", "dynamic-grow", "adaloss-product", "cast-only",
            "largest-safe", "adaloss-output", "adaloss-gradient", "bf16", "current", "delayed-16",
-           "delayed-1024", "fp32-cold", "torchao-tensorwise", "torchao-rowwise")
+           "delayed-1024", "fp32-cold", "torchao-tensorwise", "torchao-rowwise", "adaloss-e2e")
 #: what ``adaloss-study`` runs unless ``--methods`` says otherwise
 DEFAULT_METHODS = METHODS[:8]
 #: the same with an fp8 ``--grad-format``
 FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "delayed-16", "delayed-1024", "cast-only",
                "fp32-cold")
 #: the same in PyTorch: torchao's float8 training instead of delayed scaling (torchao removed it)
-TORCH_FP8_METHODS = ("fp32", "bf16", "adaloss-product", "current", "torchao-tensorwise", "torchao-rowwise",
+TORCH_FP8_METHODS = ("fp32", "bf16", "adaloss-product", "adaloss-e2e", "current", "torchao-tensorwise",
+                     "torchao-rowwise",
                      "cast-only", "fp32-cold")
 #: the methods that only make sense with an fp8 ``grad_format`` (and those only without one)
-_FP8_ONLY = ("current", "delayed-16", "delayed-1024", "torchao-tensorwise", "torchao-rowwise")
+_FP8_ONLY = ("current", "delayed-16", "delayed-1024", "torchao-tensorwise", "torchao-rowwise", "adaloss-e2e")
 #: methods one framework has and the other has not
 JAX_ONLY = ("delayed-16", "delayed-1024")
 TORCH_ONLY = ("torchao-tensorwise", "torchao-rowwise")
@@ -95,7 +96,10 @@ def check_method(method: str, cfg: RunConfig, framework: str) -> None:
 
 
 def adaloss_config(method: str, base: AdaLossConfig) -> AdaLossConfig | None:
-    """The :class:`AdaLossConfig` an adaptive ``method`` runs (``None`` for the others)."""
+    """The :class:`AdaLossConfig` an adaptive ``method`` runs (``None`` for the others);
+    ``adaloss-e2e``: the layers' inputs and weights in e4m3 too (every GEMM fp8 × fp8)."""
+    if method == "adaloss-e2e":
+        return dataclasses.replace(base, operand_format="float8_e4m3fn")
     if method.startswith("adaloss-"):
         return dataclasses.replace(base, model=method.split("-", 1)[1])
     if method == "cast-only":

@@ -13,9 +13,12 @@
 
 With an fp8 ``grad_format`` every method but ``fp32`` runs under ``torch.autocast`` bf16:
 ``bf16`` (no quantization), ``adaloss-<model>``, ``cast-only`` and ``current`` (the bridge's
-fp8 casts), ``torchao-tensorwise`` / ``torchao-rowwise`` (torchao's float8 training,
-``convert_to_float8_training`` with ``emulate=True``: its ``nn.Linear`` layers' inputs and
-weights in e4m3 too, its gradients at their own amax, e5m2 / e4m3 per row), and ``fp32-cold``.
+fp8 casts), ``adaloss-e2e`` (:func:`torch_bridge.convert_to_float8_training`: the linear
+layers' inputs and weights in e4m3 too, every GEMM a ``torch._scaled_mm``, under the scaler),
+``torchao-tensorwise`` / ``torchao-rowwise`` (torchao's float8 training,
+``convert_to_float8_training`` with ``emulate=False``: its ``nn.Linear`` layers' GEMMs
+``torch._scaled_mm`` of e4m3 inputs and weights, its gradients at their own amax, e5m2 / e4m3
+per row), and ``fp32-cold``.
 
 Adam's ε is ``adam_eps × loss_factor``, as in JAX.
 """
@@ -62,7 +65,7 @@ def _convert(model: torch.nn.Module, method: str) -> torch.nn.Module:
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     recipe = method.split("-", 1)[1]
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=False)
     return convert_to_float8_training(model, config=config)
 
 
@@ -77,6 +80,8 @@ class Trainer:
         self.model = make_model(cfg)
         if method.startswith("torchao-"):
             self.model = _convert(self.model, method)
+        if method == "adaloss-e2e":
+            self.model = torch_bridge.convert_to_float8_training(self.model, adaloss_config(method, cfg.adaloss))
         self.opt = torch.optim.Adam(self.model.parameters(), cfg.lr, eps=cfg.eps)
         self.scaler = _scaler(method, self.model, cfg)
         self.low = method not in ("fp32", "fp32-cold")

@@ -277,3 +277,59 @@ def depth_summary(payload: dict[str, Any]) -> list[str]:
         out.append(f"- **{f.removeprefix('float8_')}**, adaloss (more than {TOL:.0%} apart) "
                    + "; ".join(parts) + "." + verdict)
     return out
+
+
+#: ``benchmarks/torch_fp8.py``'s methods: FP8 GEMMs in PyTorch
+GEMM_METHODS = ("bf16", "adaloss", "current", "torchao tensorwise", "torchao tensorwise p2", "torchao rowwise")
+
+
+def gemm_table(payload: dict[str, Any]) -> str:
+    """``benchmarks/torch_fp8.py``'s rows: per model and method, the FP8 layers, the median ms of a
+    training step (and over torchao tensorwise's) and the gradient error (median / worst)."""
+    lines = ["| model | method | FP8 layers | ms/step | ÷ torchao tensorwise | error median / worst |",
+             "|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        t = r["median_ms"]
+        for i, m in enumerate(GEMM_METHODS):
+            e = r["errors"].get(m)
+            err = "(the reference's forward)" if e is None else f"{e['median']:.4f} / {e['worst']:.4f}"
+            model = f"{r['model']} ({r['parameters'] / 1e6:.1f}M)" if i == 0 else ""
+            lines.append(f"| {model} | {m} | {r['layers'][m]} | {t[m]:.1f} | {t[m] / t['torchao tensorwise']:.2f} "
+                         f"| {err} |")
+    return "\n".join(lines)
+
+
+def gemm_summary(payload: dict[str, Any], time_target: float = 1.10) -> list[str]:
+    """adaloss's step time against torchao tensorwise's and the share of it the scaler's
+    per-layer work takes (``current``: the same layers, no scaler); its error against current
+    scaling's (the same power-of-two scales), torchao's with power-of-two scales and torchao's."""
+    rows = payload["rows"]
+
+    def ms(r: Row, m: str) -> float:
+        return r["median_ms"][m]
+
+    def err(r: Row, m: str) -> float:
+        return r["errors"][m]["median"]
+    fast = [r["model"] for r in rows if ms(r, "adaloss") <= time_target * ms(r, "torchao tensorwise")]
+    spans = {k: (min(v), max(v)) for k, v in {
+        "tao": [ms(r, "adaloss") / ms(r, "torchao tensorwise") for r in rows],
+        "cur_t": [ms(r, "current") / ms(r, "torchao tensorwise") for r in rows],
+        "share": [1 - ms(r, "current") / ms(r, "adaloss") for r in rows],
+        "cur": [err(r, "adaloss") / err(r, "current") for r in rows],
+        "p2": [err(r, "adaloss") / err(r, "torchao tensorwise p2") for r in rows],
+        "exact": [err(r, "adaloss") / err(r, "torchao tensorwise") for r in rows]}.items()}
+
+    def span(k: str, pct: bool = False) -> str:
+        lo, hi = spans[k]
+        return f"{lo:.0%}–{hi:.0%}" if pct else f"{lo:.2f}–{hi:.2f}×"
+    return [
+        f"- **Step time**: adaloss {span('tao')} torchao tensorwise's; within {time_target:.2f}× on "
+        f"{len(fast)} of {len(rows)} models ({', '.join(fast) or 'none'}). The converted layers without a "
+        f"scaler take {span('cur_t')} torchao's: the difference is the scaler's per-layer work (its "
+        f"statistics, decisions and fp8 counts), {span('share', True)} of adaloss's step, the larger "
+        "share on the smaller models.",
+        f"- **Error**: adaloss {span('cur')} current scaling's (the same power-of-two scales: a power of "
+        f"two only moves exponents, so where nothing flushes they agree), {span('p2')} torchao "
+        f"tensorwise's with power-of-two scales, {span('exact')} torchao tensorwise's with its default "
+        "exact scales (each tensor's max mapped to the format's max: with 3 mantissa bits the largest "
+        "entries carry much of the norm)."]

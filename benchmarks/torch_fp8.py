@@ -51,10 +51,11 @@ import torch_bridge
 from adaloss import AdaLossConfig
 from adaloss_study.overhead import machine
 from adaloss_zoo import torch_zoo as tz
+from adaloss_zoo.fp8_tables import GEMM_METHODS as METHODS
+from adaloss_zoo.fp8_tables import gemm_summary, gemm_table
 from adaloss_zoo.metrics import grad_error
 
 CONFIG = AdaLossConfig(grad_format="float8_e5m2", operand_format="float8_e4m3fn")
-METHODS = ("bf16", "adaloss", "current", "torchao tensorwise", "torchao tensorwise p2", "torchao rowwise")
 BF16 = torch.bfloat16
 
 
@@ -176,34 +177,6 @@ def times(case: tz.TorchCase, batch: int, seq: int, repeats: int, steps: int) ->
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Step time (ms, and ÷ torchao tensorwise's) and median gradient error per model and method."""
-    lines = ["| model | parameters | method | FP8 layers | ms/step | ÷ torchao tensorwise | error (median) "
-             "| error (worst) |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t = r["median_ms"]
-        for m in METHODS:
-            e = r["errors"].get(m, {})
-            err = f"{e['median']:.4f} | {e['worst']:.4f}" if e else "reference | reference"
-            lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.2f}M | {m} | {r['layers'][m]} | {t[m]:.1f} "
-                         f"| {t[m] / t['torchao tensorwise']:.2f} | {err} |")
-    return "\n".join(lines)
-
-
-def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """adaloss against the targets: time ÷ torchao tensorwise's, error ÷ current scaling's."""
-    def ratio(r: dict[str, Any], a: str, b: str, key: str) -> float:
-        return r[key][a] / r[key][b] if key == "median_ms" else r["errors"][a]["median"] / r["errors"][b]["median"]
-    out = []
-    for r in rows:
-        out.append(f"- {r['model']}: step {ratio(r, 'adaloss', 'torchao tensorwise', 'median_ms'):.2f}× torchao "
-                   f"tensorwise's, {ratio(r, 'adaloss', 'bf16', 'median_ms'):.2f}× bf16's; error "
-                   f"{ratio(r, 'adaloss', 'current', 'errors'):.3f}× current scaling's, "
-                   f"{ratio(r, 'adaloss', 'torchao tensorwise p2', 'errors'):.3f}× torchao tensorwise p2's, "
-                   f"{ratio(r, 'adaloss', 'torchao tensorwise', 'errors'):.3f}× torchao tensorwise's")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
@@ -222,12 +195,11 @@ def main() -> None:
                "errors": errors(CASES[name], args.seeds)}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        print(summary([row])[0], flush=True)
-        args.json.write_text(json.dumps({"command": "python benchmarks/torch_fp8.py", "machine": machine("torch"),
-                                         "batch": args.batch, "seq": args.seq, "repeats": args.repeats,
-                                         "steps": args.steps, "seeds": args.seeds, "rows": rows}, indent=1))
-    print(table(rows))
-    print("\n".join(summary(rows)))
+        payload = {"command": "python benchmarks/torch_fp8.py", "machine": machine("torch"), "batch": args.batch,
+                   "seq": args.seq, "repeats": args.repeats, "steps": args.steps, "seeds": args.seeds, "rows": rows}
+        print(gemm_table({**payload, "rows": [row]}), flush=True)
+        args.json.write_text(json.dumps(payload, indent=1))
+    print("\n".join(gemm_summary(payload)))
 
 
 if __name__ == "__main__":

@@ -94,17 +94,19 @@ def test_study_torch_framework(tmp_path, capsys):
 
 def test_study_torch_fp8_against_torchao(tmp_path, capsys):
     """``--framework torch --grad-format float8_e5m2``: the bridge's fp8 casts report their
-    fractions every step, torchao's float8 training (``emulate=True``) trains beside it, a spike
+    fractions every step, torchao's float8 training (``emulate=False``) and the converted layers
+    (``adaloss-e2e``: every GEMM ``_scaled_mm``) train beside it, a spike
     runs in torch too; methods one framework lacks are refused before anything runs."""
     pytest.importorskip("torchao")
     out = tmp_path / "torch8"
     argv = ["--framework", "torch", "--grad-format", "float8_e5m2", "--steps", "3", "--spike-at", "1",
-            "--methods", "adaloss-product", "torchao-tensorwise", "--dim", "32", "--layers", "1", "--seq",
+            "--methods", "adaloss-product", "adaloss-e2e", "torchao-tensorwise", "--dim", "32", "--layers", "1", "--seq",
             "32", "--no-plots", "--out", str(out)]
     assert cli.main(argv) == 0
     record = json.loads((out / "study.json").read_text())
     ada = record["runs"]["adaloss-product"]
     assert set(ada["fp8_flushed"]) == {"0", "1", "2"} and ada["fp8_saturated"]["1"]
+    assert set(record["runs"]["adaloss-e2e"]["fp8_flushed"]) == {"0", "1", "2"}
     assert np.isnan(record["summary"]["torchao-tensorwise"][0]["flushed_max"])  # it reports none
     assert "spike_loss" in record["summary"]["torchao-tensorwise"][0]
     with pytest.raises(SystemExit, match="delayed-16.*jax only"):

@@ -50,3 +50,21 @@ def test_table_and_summary_are_computed_from_the_rows():
     assert "**jax, adaloss / best global** (dynamic from 2^16, converged, static 2^15): 0.50-0.50" in text
     assert "**×1e-8, logits ×10/×30**: adaloss / best global 1.00-1.00" in text
     assert "**cast-only / adaloss**: median 1.10, range 1.00-1.20" in text
+
+
+def test_torch_fp8_summary_counts_the_models_within_the_time_target():
+    """The FP8-GEMM block's sentences come from the rows: which models meet the step-time
+    target against torchao tensorwise, and the error ratios against each baseline."""
+    from adaloss_zoo.fp8_tables import GEMM_METHODS, gemm_summary, gemm_table
+
+    def row(model, ada_ms, errs):
+        ms = dict.fromkeys(GEMM_METHODS, 100.0) | {"adaloss": ada_ms, "current": 90.0}
+        return {"model": model, "parameters": 1e6, "median_ms": ms, "layers": dict.fromkeys(GEMM_METHODS, 4),
+                "errors": {m: {"median": e, "worst": 2 * e} for m, e in zip(GEMM_METHODS[1:], errs)}}
+    payload = {"rows": [row("a", 105.0, (0.10, 0.10, 0.08, 0.11, 0.09)),
+                        row("b", 150.0, (0.12, 0.12, 0.10, 0.12, 0.10))]}
+    text = "\n".join(gemm_summary(payload))
+    assert "1.05–1.50× torchao tensorwise's; within 1.10× on 1 of 2 models (a)" in text
+    assert "1.00–1.00× current scaling's" in text and "1.20–1.25× torchao tensorwise's" in text
+    assert "14%–40% of adaloss's step" in text
+    assert gemm_table(payload).count("\n") == 1 + 2 * len(GEMM_METHODS)

@@ -691,14 +691,15 @@ class ScaledBackward:
             d = solver.LayerScale(r, one, sx.zeros_like(incoming), r)
             kind = "first"
         else:
-            gs = self._stats(solver.TensorStats(None, torch.linalg.vector_norm(gq, dtype=_F32).square()
-                                                / gq.numel(), None, None, q_absmax))
-            ws = self._stats(tensor_stats(self._weight(p), with_mean=False))
             cached = self._cached(p.name)
             if cfg.fp8_rule == "current" or not cfg.layer_rule:
                 cached = (sx.ones_like(incoming), sx.zeros_like(incoming))
-            row_sq = None if cached is not None else self.sm.to_xp(
-                solver.worst_row_sq_mean(gq, (p.feature_dim,), xp))
+            # E[g²] and, for a fresh decision, the largest row's (solver.worst_row_sq_mean) from
+            # one pass: the rows' sums of squares
+            rows = torch.linalg.vector_norm(gq, dim=p.feature_dim, dtype=_F32).square()
+            gs = self._stats(solver.TensorStats(None, rows.sum() / gq.numel(), None, None, q_absmax))
+            ws = self._stats(tensor_stats(self._weight(p), with_mean=False))
+            row_sq = None if cached is not None else self.sm.to_xp(rows.amax() / gq.shape[p.feature_dim])
             d = solver.fp8_layer_scale(cfg, gs, ws, p.fan_in, incoming, torch.finfo(g.dtype).max, sx,
                                        cached_model_scale=None if cached is None else cached[0],
                                        cached_sigma=None if cached is None else cached[1], backoff=self.bo,
