@@ -71,11 +71,10 @@ FP8_CASES = (
          "does each way of choosing the scale get?"),
     Case("fp8-torch", "FP8 e5m2 gradients in PyTorch, against torchao",
          ("--framework", "torch", "--grad-format", "float8_e5m2", "--seeds", "2"),
-         "The same in PyTorch: the bridge's fp8 casts, and its converted layers (`adaloss-e2e`: "
-         "inputs and weights in e4m3 too, every GEMM a `torch._scaled_mm`), against torchao's float8 "
-         "training (`convert_to_float8_training`, `emulate=False`; `tensorwise`: inputs and weights in "
-         "e4m3 and gradients in e5m2, each at its own amax; `rowwise`: e4m3 per row), whose forward "
-         "is quantized too. No delayed scaling: torchao removed it."),
+         "The same in PyTorch: the bridge's fp8 casts against torchao's float8 training "
+         "(`convert_to_float8_training`, `emulate=True`; `tensorwise`: inputs and weights in e4m3 "
+         "and gradients in e5m2, each at its own amax; `rowwise`: e4m3 per row), whose forward is "
+         "quantized too. No delayed scaling: torchao removed it."),
     Case("fp8-spike", "FP8 e5m2 gradients, a loss spike mid-run",
          ("--grad-format", "float8_e5m2", "--spike-at", "150", "--seeds", "2", "--methods", "fp32", "bf16",
           "adaloss-product", "current", "delayed-16", "delayed-1024"),

@@ -81,7 +81,8 @@ class Trainer:
         if method.startswith("torchao-"):
             self.model = _convert(self.model, method)
         if method == "adaloss-e2e":
-            self.model = torch_bridge.convert_to_float8_training(self.model, adaloss_config(method, cfg.adaloss))
+            self.model = torch_bridge.convert_to_float8_training(
+                self.model, adaloss_config(method, cfg.adaloss))
         self.opt = torch.optim.Adam(self.model.parameters(), cfg.lr, eps=cfg.eps)
         self.scaler = _scaler(method, self.model, cfg)
         self.low = method not in ("fp32", "fp32-cold")

@@ -280,7 +280,8 @@ def depth_summary(payload: dict[str, Any]) -> list[str]:
 
 
 #: ``benchmarks/torch_fp8.py``'s methods: FP8 GEMMs in PyTorch
-GEMM_METHODS = ("bf16", "adaloss", "current", "torchao tensorwise", "torchao tensorwise p2", "torchao rowwise")
+GEMM_METHODS = ("bf16", "adaloss", "current", "torchao tensorwise", "torchao tensorwise p2",
+                "torchao rowwise")
 
 
 def gemm_table(payload: dict[str, Any]) -> str:
@@ -294,7 +295,8 @@ def gemm_table(payload: dict[str, Any]) -> str:
             e = r["errors"].get(m)
             err = "(the reference's forward)" if e is None else f"{e['median']:.4f} / {e['worst']:.4f}"
             model = f"{r['model']} ({r['parameters'] / 1e6:.1f}M)" if i == 0 else ""
-            lines.append(f"| {model} | {m} | {r['layers'][m]} | {t[m]:.1f} | {t[m] / t['torchao tensorwise']:.2f} "
+            ratio = t[m] / t["torchao tensorwise"]
+            lines.append(f"| {model} | {m} | {r['layers'][m]} | {t[m]:.1f} | {ratio:.2f} "
                          f"| {err} |")
     return "\n".join(lines)
 

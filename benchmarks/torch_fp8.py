@@ -195,8 +195,9 @@ def main() -> None:
                "errors": errors(CASES[name], args.seeds)}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        payload = {"command": "python benchmarks/torch_fp8.py", "machine": machine("torch"), "batch": args.batch,
-                   "seq": args.seq, "repeats": args.repeats, "steps": args.steps, "seeds": args.seeds, "rows": rows}
+        payload = {"command": "python benchmarks/torch_fp8.py", "machine": machine("torch"),
+                   "batch": args.batch, "seq": args.seq, "repeats": args.repeats, "steps": args.steps,
+                   "seeds": args.seeds, "rows": rows}
         print(gemm_table({**payload, "rows": [row]}), flush=True)
         args.json.write_text(json.dumps(payload, indent=1))
     print("\n".join(gemm_summary(payload)))

@@ -215,7 +215,8 @@ def test_quantized_fractions_count_what_the_cast_did(u_min, framework):
     want = [((g != 0) & (q == 0)).sum() / nz, ((q != 0) & (np.abs(q) < cfg.underflow_limit)).sum() / nz,
             (np.abs(g) > cfg.overflow_limit).sum() / nz]
     if framework == "jax":
-        got = solver.quantized_fractions(jnp.asarray(g, jnp.bfloat16), jnp.asarray(q, jnp.float8_e5m2), cfg, jnp)
+        got = solver.quantized_fractions(jnp.asarray(g, jnp.bfloat16), jnp.asarray(q, jnp.float8_e5m2),
+                                         cfg, jnp)
     else:
         torch = pytest.importorskip("torch")
         from torch_bridge._xp import xp

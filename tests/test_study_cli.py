@@ -100,7 +100,8 @@ def test_study_torch_fp8_against_torchao(tmp_path, capsys):
     pytest.importorskip("torchao")
     out = tmp_path / "torch8"
     argv = ["--framework", "torch", "--grad-format", "float8_e5m2", "--steps", "3", "--spike-at", "1",
-            "--methods", "adaloss-product", "adaloss-e2e", "torchao-tensorwise", "--dim", "32", "--layers", "1", "--seq",
+            "--methods", "adaloss-product", "adaloss-e2e", "torchao-tensorwise",
+            "--dim", "32", "--layers", "1", "--seq",
             "32", "--no-plots", "--out", str(out)]
     assert cli.main(argv) == 0
     record = json.loads((out / "study.json").read_text())
