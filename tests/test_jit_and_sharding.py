@@ -30,8 +30,15 @@ def test_jit_matches_eager():
         for field in ("scale", "incoming_scale", "outgoing_scale"):
             assert float(getattr(r1.layers[k], field)) == float(getattr(r2.layers[k], field))
     # XLA fuses fp16 elementwise chains under jit: gradients agree to fp16 rounding
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        np.testing.assert_allclose(a, b, rtol=5e-3, atol=5e-3 * float(jnp.abs(a).max()))
+    leaves = lambda g: jax.tree.leaves(g, is_leaf=jax_adaloss.is_scaled_grad)
+    for a, b in zip(leaves(g1), leaves(g2)):
+        np.testing.assert_allclose(a.value, b.value, rtol=5e-3, atol=5e-3 * float(jnp.abs(a.value).max()))
+        assert float(a.scale) == float(b.scale)
+        # the measured underflow signal counts entries below u_min, and an entry at the limit
+        # may round to either side of it: the counts agree to a few entries (here, one entry
+        # of a 128 x 64 cotangent moves the signal by 0.24)
+        if a.underflow is not None:
+            assert abs(float(a.underflow) - float(b.underflow)) <= 0.25 * max(float(b.underflow), 1.0) + 0.5
 
 
 SHARDED = textwrap.dedent("""

@@ -43,8 +43,10 @@ def _assert_same(got, want):
     for k in r1.layers:
         assert float(r1.layers[k].scale) == float(r2.layers[k].scale), k
     for k in g2:
-        # fp32 weight gradients: eager and jitted fp32 accumulation may round apart (1 ulp)
-        np.testing.assert_allclose(g1[k].value, g2[k].value, rtol=1e-5, atol=1e-7)
+        # the weight gradients come from fp16 matmuls, which eager and jitted programs (the
+        # CPU's codegen) may round apart: they agree to fp16 rounding
+        v = np.asarray(g2[k].value)
+        np.testing.assert_allclose(g1[k].value, v, rtol=5e-3, atol=5e-3 * np.abs(v).max())
         assert float(g1[k].scale) == float(g2[k].scale)
 
 
