@@ -430,15 +430,71 @@ def quantized_fractions(g: Array, q: Array, config: AdaLossConfig, xp: Any) -> t
     ``q`` the kernel that reads ``q``, and no kernel reads both. Counts are integers and
     comparisons run in the tensors' own dtypes where the limits are exact there (an eager
     framework makes one pass for each op)."""
-    def count(x: Array) -> Array:
-        return xp.astype(xp.count_nonzero(x), xp.float32)
-
     size = float(math.prod(g.shape))
-    nonzero_g, nonzero_q = count(g), count(q)  # NaN is non-zero in both
+    nonzero_q = _count(q, xp)  # NaN is non-zero
+    held = _count(_abs_for(q, config.underflow_limit, xp) < config.underflow_limit, xp) - (size - nonzero_q)
+    return fractions_of_counts(_count(g, xp), nonzero_q, held, saturated_count(g, config, xp), xp)
+
+
+def _count(x: Array, xp: Any) -> Array:
+    return xp.astype(xp.count_nonzero(x), xp.float32)
+
+
+def saturated_count(g: Array, config: AdaLossConfig, xp: Any) -> Array:
+    """How many entries of ``g`` (as carried, before the cast) lie beyond the fp8 format's max
+    (an inf too), fp32."""
+    return _count(_abs_for(g, config.overflow_limit, xp) > config.overflow_limit, xp)
+
+
+def fractions_of_counts(nonzero_g: Array, nonzero_q: Array, held: Array, saturated: Array,
+                        xp: Any) -> tuple[Array, Array, Array]:
+    """:func:`quantized_fractions` from the counts of one cast of ``g`` to ``q``: non-zero
+    entries of each, non-zero entries of ``q`` below the smallest normal, entries of ``g``
+    beyond the max (fp32)."""
     denom = xp.maximum(nonzero_g, xp.ones_like(nonzero_g))
-    held = count(_abs_for(q, config.underflow_limit, xp) < config.underflow_limit) - (size - nonzero_q)
-    saturated = count(_abs_for(g, config.overflow_limit, xp) > config.overflow_limit)
     return (nonzero_g - nonzero_q) / denom, held / denom, saturated / denom
+
+
+class Fp8Histogram(NamedTuple):
+    """Statistics of an fp8 tensor read from the counts of its 256 codes (:func:`fp8_histogram`),
+    fp32; NaN entries make ``absmax``, ``sq_sum``, ``min`` and ``max`` NaN, as a reduction would."""
+
+    nonzero: Array  # entries other than ±0 (NaN included)
+    held: Array  # non-zero entries below ``u_min``
+    at_max: Array  # entries equal to ±``u_max``
+    nan: Array  # NaN entries
+    sq_sum: Array  # the sum of the squares (each code's square times its count: exact terms)
+    absmax: Array
+    min: Array
+    max: Array
+
+
+def fp8_code_table(values: Array, u_min: float, u_max: float, xp: Any) -> Array:
+    """``[256, 5]`` fp32: for each fp8 code (``values[b]``: the number code ``b`` stands for, NaN
+    for NaN codes) whether it is non-zero, non-zero below ``u_min``, ±``u_max``, NaN, and its
+    square (0 for non-finite codes): the histogram of a tensor times it is
+    :class:`Fp8Histogram`'s first five fields."""
+    finite = xp.isfinite(values)
+    v = xp.where(finite, values, xp.zeros_like(values))
+    cols = [values != 0, (values != 0) & (xp.abs(values) < u_min), xp.abs(values) == u_max, values != values]
+    return xp.stack([xp.astype(c, xp.float32) for c in cols] + [xp.astype(v * v, xp.float32)], axis=1)
+
+
+def fp8_histogram(counts: Array, values: Array, table: Array, xp: Any) -> Fp8Histogram:
+    """An fp8 tensor's statistics from ``counts[b]``, the number of its entries whose bits are
+    ``b`` (a histogram of its bytes: one read of a one-byte tensor), ``values`` and ``table``
+    (:func:`fp8_code_table`): every statistic a decision reads of it, in one pass instead of one
+    per statistic and without widening it (an fp8 tensor's conversion to a wide dtype is slow on
+    a CPU)."""
+    c = xp.astype(counts, xp.float32)
+    sums = c @ table
+    nonzero, held, at_max, nan, sq_sum = (sums[k] for k in range(5))
+    present = c > 0
+    lo = xp.min(xp.where(present, values, xp.full_like(values, math.inf)))  # a present NaN: NaN
+    hi = xp.max(xp.where(present, values, xp.full_like(values, -math.inf)))
+    sq_sum = xp.where(nan > 0, xp.full_like(sq_sum, math.nan), sq_sum)
+    absmax = xp.maximum(xp.maximum(-lo, hi), xp.zeros_like(hi))  # 0 for an empty tensor
+    return Fp8Histogram(nonzero, held, at_max, nan, sq_sum, absmax, lo, hi)
 
 
 def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturated: Array,

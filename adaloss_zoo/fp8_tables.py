@@ -287,17 +287,24 @@ GEMM_METHODS = ("bf16", "adaloss", "current", "torchao tensorwise", "torchao ten
 def gemm_table(payload: dict[str, Any]) -> str:
     """``benchmarks/torch_fp8.py``'s rows: per model and method, the FP8 layers, the median ms of a
     training step (and over torchao tensorwise's) and the gradient error (median / worst)."""
-    lines = ["| model | method | FP8 layers | ms/step | ÷ torchao tensorwise | error median / worst |",
-             "|---|---|---|---|---|---|"]
+    outside = all("outside_gemm_ms" in r for r in payload["rows"])
+    extra = " ms outside the GEMMs | ÷ torchao's |" if outside else ""
+    lines = [f"| model | method | FP8 layers | ms/step | ÷ torchao tensorwise |{extra} "
+             "error median / worst |",
+             "|---|---|---|---|---|" + ("---|---|" if outside else "") + "---|"]
     for r in payload["rows"]:
         t = r["median_ms"]
         for i, m in enumerate(GEMM_METHODS):
             e = r["errors"].get(m)
-            err = "(the reference's forward)" if e is None else f"{e['median']:.4f} / {e['worst']:.4f}"
+            err = ("(the reference's forward)" if m == "bf16" else "(not measured)") if e is None \
+                else f"{e['median']:.4f} / {e['worst']:.4f}"
             model = f"{r['model']} ({r['parameters'] / 1e6:.1f}M)" if i == 0 else ""
             ratio = t[m] / t["torchao tensorwise"]
-            lines.append(f"| {model} | {m} | {r['layers'][m]} | {t[m]:.1f} | {ratio:.2f} "
-                         f"| {err} |")
+            cells = ""
+            if outside:
+                o = r["outside_gemm_ms"]
+                cells = f" {o[m]:.1f} | {o[m] / o['torchao tensorwise']:.2f} |"
+            lines.append(f"| {model} | {m} | {r['layers'][m]} | {t[m]:.1f} | {ratio:.2f} |{cells} {err} |")
     return "\n".join(lines)
 
 
@@ -306,9 +313,12 @@ def gemm_summary(payload: dict[str, Any], time_target: float = 1.10) -> list[str
     per-layer work takes (``current``: the same layers, no scaler); its error against current
     scaling's (the same power-of-two scales), torchao's with power-of-two scales and torchao's."""
     rows = payload["rows"]
+    measured = all(r["errors"] for r in rows)
+
+    stand_in = payload.get("gemm") == "stand-in"  # the GEMMs' time is not an FP8 GEMM's: left out
 
     def ms(r: Row, m: str) -> float:
-        return r["median_ms"][m]
+        return r["outside_gemm_ms" if stand_in else "median_ms"][m]
 
     def err(r: Row, m: str) -> float:
         return r["errors"][m]["median"]
@@ -317,19 +327,26 @@ def gemm_summary(payload: dict[str, Any], time_target: float = 1.10) -> list[str
         "tao": [ms(r, "adaloss") / ms(r, "torchao tensorwise") for r in rows],
         "cur_t": [ms(r, "current") / ms(r, "torchao tensorwise") for r in rows],
         "share": [1 - ms(r, "current") / ms(r, "adaloss") for r in rows],
-        "cur": [err(r, "adaloss") / err(r, "current") for r in rows],
-        "p2": [err(r, "adaloss") / err(r, "torchao tensorwise p2") for r in rows],
-        "exact": [err(r, "adaloss") / err(r, "torchao tensorwise") for r in rows]}.items()}
+        **({"cur": [err(r, "adaloss") / err(r, "current") for r in rows],
+            "p2": [err(r, "adaloss") / err(r, "torchao tensorwise p2") for r in rows],
+            "exact": [err(r, "adaloss") / err(r, "torchao tensorwise") for r in rows]} if measured else {}),
+    }.items()}
 
     def span(k: str, pct: bool = False) -> str:
         lo, hi = spans[k]
         return f"{lo:.0%}–{hi:.0%}" if pct else f"{lo:.2f}–{hi:.2f}×"
-    return [
-        f"- **Step time**: adaloss {span('tao')} torchao tensorwise's; within {time_target:.2f}× on "
+    what = ("Time outside the GEMMs** (each fp8 GEMM replaced by a bf16 stand-in whose time is left "
+            "out)" if stand_in else "Step time**")
+    lines = [
+        f"- **{what}: adaloss {span('tao')} torchao tensorwise's; within {time_target:.2f}× on "
         f"{len(fast)} of {len(rows)} models ({', '.join(fast) or 'none'}). The converted layers without a "
         f"scaler take {span('cur_t')} torchao's: the difference is the scaler's per-layer work (its "
-        f"statistics, decisions and fp8 counts), {span('share', True)} of adaloss's step, the larger "
-        "share on the smaller models.",
+        f"statistics, decisions and fp8 counts), {span('share', True)} of adaloss's "
+        f"{'time outside the GEMMs' if stand_in else 'step'}, the larger "
+        "share on the smaller models."]
+    if not measured:
+        return lines
+    return [*lines,
         f"- **Error**: adaloss {span('cur')} current scaling's (the same power-of-two scales: a power of "
         f"two only moves exponents, so where nothing flushes they agree), {span('p2')} torchao "
         f"tensorwise's with power-of-two scales, {span('exact')} torchao tensorwise's with its default "

@@ -4,6 +4,7 @@ GEMMs are ``torch._scaled_mm`` too) and bf16 autocast, step time and gradient er
 
     python benchmarks/torch_fp8.py                    # docs/torch_fp8.json, tables printed
     python benchmarks/torch_fp8.py --models hf-llama --repeats 3 --json /tmp/torch_fp8.json
+    python benchmarks/torch_fp8.py --gemm stand-in    # where the CPU's fp8 GEMM is a reference kernel
 
 Models: the torch zoo's ``hf-gpt2``, ``hf-llama`` and ``hf-bert`` (:mod:`adaloss_zoo.torch_zoo`)
 and ``gpt2-10m`` (HF GPT-2, 6 layers × 384, vocab 1000: 10.7M parameters). Methods:
@@ -23,7 +24,10 @@ and ``gpt2-10m`` (HF GPT-2, 6 layers × 384, vocab 1000: 10.7M parameters). Meth
 
 Step time: a training step (bf16 autocast forward, backward, AdamW, ``zero_grad``) on a batch of
 ``--batch`` × ``--seq`` tokens, the methods alternating ``--repeats`` rounds of ``--steps`` steps
-each, the median ms/step. Error: one backward of the zoo's batch at loss ×1 against the same bf16
+each, the median ms/step, and of it the time outside ``torch._scaled_mm`` (with ``--gemm stand-in``,
+each GEMM a bf16 matmul of the dequantized operands, whose time is left out: the step's time is
+then not an FP8 step's, the time outside the GEMMs is). Error (always the real ``_scaled_mm``;
+``--seeds 0`` skips it): one backward of the zoo's batch at loss ×1 against the same bf16
 forward's backward (:func:`adaloss_zoo.torch_zoo.reference_grads`), per parameter
 ``‖g − g_ref‖/‖g_ref‖``, median and worst, the mean over ``--seeds``.
 
@@ -140,6 +144,37 @@ def errors(case: tz.TorchCase, seeds: int) -> dict[str, dict[str, float]]:
                 "skipped": int(max(v[2] for v in vs))} for m, vs in out.items()}
 
 
+class GemmClock:
+    """Stands in for ``torch._scaled_mm`` (adaloss's layers and torchao's call it by that name) and
+    adds up the seconds spent in it. With ``stand_in``, each call is a bf16 matmul of its
+    dequantized operands instead: for a CPU whose fp8 GEMM is oneDNN's reference implementation
+    (``ONEDNN_VERBOSE=1`` prints ``ref:any``: ~0.4 s for one 512 × 128 × 384 GEMM), where a step
+    is all GEMM and what can be compared is the time outside the GEMMs."""
+
+    def __init__(self, stand_in: bool) -> None:
+        self.real, self.stand_in, self.seconds = torch._scaled_mm, stand_in, 0.0
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if self.stand_in:
+            out = (a.to(BF16) @ b.to(BF16)).float() * (scale_a * scale_b)
+            out = (out if bias is None else out + bias).to(out_dtype or BF16)
+        else:
+            out = self.real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, scale_result=scale_result,
+                            out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def __enter__(self) -> GemmClock:
+        torch._scaled_mm = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch._scaled_mm = self.real
+
+
 def _timer(case: tz.TorchCase, method: str, model: torch.nn.Module, batch: torch.Tensor, steps: int
            ) -> tuple[Callable[[], None], int]:
     m, scaler, _ = converted(method, model)
@@ -161,18 +196,26 @@ def _timer(case: tz.TorchCase, method: str, model: torch.nn.Module, batch: torch
     return run, count_layers(m)
 
 
-def times(case: tz.TorchCase, batch: int, seq: int, repeats: int, steps: int) -> dict[str, Any]:
-    """Median ms per training step of each method, alternating rounds; the FP8 layers of each."""
+def times(case: tz.TorchCase, batch: int, seq: int, repeats: int, steps: int, stand_in: bool = False
+          ) -> dict[str, Any]:
+    """Median ms per training step of each method, alternating rounds, and of it outside
+    ``torch._scaled_mm`` (:class:`GemmClock`); the FP8 layers of each."""
     model, _ = case.build(0)
     ids = tz._tokens(0, batch, seq)
-    timers = {m: _timer(case, m, model, ids, steps) for m in METHODS}
     rounds: dict[str, list[float]] = {m: [] for m in METHODS}
-    for _ in tqdm(range(repeats), desc=case.name, leave=False):
-        for m, (run, _) in timers.items():
-            t0 = time.perf_counter()
-            run()
-            rounds[m].append(1e3 * (time.perf_counter() - t0) / steps)
+    outside: dict[str, list[float]] = {m: [] for m in METHODS}
+    with GemmClock(stand_in) as clock:
+        timers = {m: _timer(case, m, model, ids, steps) for m in METHODS}
+        for _ in tqdm(range(repeats), desc=case.name, leave=False):
+            for m, (run, _) in timers.items():
+                clock.seconds = 0.0
+                t0 = time.perf_counter()
+                run()
+                total = time.perf_counter() - t0
+                rounds[m].append(1e3 * total / steps)
+                outside[m].append(1e3 * (total - clock.seconds) / steps)
     return {"ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()},
+            "outside_gemm_ms": {m: statistics.median(v) for m, v in outside.items()},
             "layers": {m: n for m, (_, n) in timers.items()},
             "parameters": sum(p.numel() for p in model.parameters())}
 
@@ -185,19 +228,23 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7, help="alternating rounds per method")
     ap.add_argument("--steps", type=int, default=5, help="training steps per round")
+    ap.add_argument("--gemm", choices=("scaled_mm", "stand-in"), default="scaled_mm",
+                    help="stand-in: each _scaled_mm a bf16 matmul of its dequantized operands (a CPU "
+                         "whose fp8 GEMM is oneDNN's reference kernel): compare the time outside the GEMMs")
     ap.add_argument("--json", type=Path, default=Path("docs/torch_fp8.json"))
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # transformers' config notes, torchao's deprecations
     rows: list[dict[str, Any]] = []
     for name in args.models:
         t0 = time.perf_counter()
-        row = {"model": name, **times(CASES[name], args.batch, args.seq, args.repeats, args.steps),
-               "errors": errors(CASES[name], args.seeds)}
+        row = {"model": name, **times(CASES[name], args.batch, args.seq, args.repeats, args.steps,
+                                      args.gemm == "stand-in"),
+               "errors": errors(CASES[name], args.seeds) if args.seeds else {}}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         payload = {"command": "python benchmarks/torch_fp8.py", "machine": machine("torch"),
                    "batch": args.batch, "seq": args.seq, "repeats": args.repeats, "steps": args.steps,
-                   "seeds": args.seeds, "rows": rows}
+                   "seeds": args.seeds, "gemm": args.gemm, "rows": rows}
         print(gemm_table({**payload, "rows": [row]}), flush=True)
         args.json.write_text(json.dumps(payload, indent=1))
     print("\n".join(gemm_summary(payload)))

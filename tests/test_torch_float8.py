@@ -119,3 +119,37 @@ def test_wrong_use_is_refused_with_the_remedy():
         torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)), CONFIG,
         module_filter_fn=lambda m, fqn: fqn != "1")
     assert isinstance(kept[0], Float8Linear) and type(kept[1]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("fmt", ["float8_e5m2", "float8_e4m3fn"])
+def test_fp8_histogram_and_counts_equal_reductions_of_the_tensor(fmt):
+    """The histogram's statistics (what decisions read of an fp8 cotangent or weight) and the
+    cast's fractions equal reductions of the tensor itself, on the host and on tensors, with
+    zeros, subnormals, entries at and beyond the format's max and a NaN."""
+    from adaloss import solver
+    from torch_bridge._xp import ON_HOST, ON_TENSORS, xp
+    from torch_bridge.hooks import fp8_cast_counts, fp8_histogram
+    cfg = AdaLossConfig(grad_format=fmt)
+    limit, u_min = cfg.overflow_limit, cfg.underflow_limit
+    rng = np.random.default_rng(0)
+    mags = np.exp2(rng.uniform(np.log2(u_min) - 5, np.log2(limit) - 2, 500))  # flushed to below the max
+    base = np.concatenate([rng.choice([-1.0, 1.0], 500) * mags, np.zeros(20)])
+    for extra in ([], [3 * limit, -limit]):  # none at the max (the counts' shortcut), then saturated
+        g = torch.tensor(np.concatenate([base, extra])).bfloat16()
+        q = solver.to_fp8(g, getattr(torch, fmt), limit, xp)
+        v = q.double()
+        want = dict(nonzero=(v != 0).sum(), held=((v != 0) & (v.abs() < u_min)).sum(),
+                    at_max=(v.abs() == limit).sum(), absmax=v.abs().max(), sq_sum=(v * v).sum(),
+                    min=v.min(), max=v.max())
+        fr = solver.quantized_fractions(g, q.to(g.dtype), cfg, xp)
+        assert 0 < float(want["held"]) and (float(want["at_max"]) > 0) == bool(extra)
+        for sm in (ON_HOST, ON_TENSORS):
+            h = fp8_histogram(q, u_min, limit, sm)
+            for k, w in want.items():
+                np.testing.assert_allclose(float(getattr(h, k)), float(w), rtol=1e-6, err_msg=k)
+            assert float(h.nan) == 0
+            _, got = fp8_cast_counts(g, q, cfg, sm)
+            assert [float(x) for x in got] == [float(x) for x in fr], (sm is ON_HOST, extra)
+    g = torch.tensor([1.0, float("nan"), 0.0]).bfloat16()  # a NaN makes every statistic NaN
+    h = fp8_histogram(solver.to_fp8(g, getattr(torch, fmt), limit, xp), u_min, limit, ON_HOST)
+    assert float(h.nan) == 1 and all(np.isnan(float(x)) for x in (h.absmax, h.sq_sum, h.min, h.max))

@@ -30,12 +30,13 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
-from torch_bridge._xp import ON_TENSORS, ScalarMath, scalar_math, xp
+from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
 from torch_bridge.graph import (
     FP8_NODE,
     NO_DECISION,
@@ -131,6 +132,37 @@ def tensor_stats(x: torch.Tensor, with_mean: bool = True) -> solver.TensorStats:
     sq = torch.linalg.vector_norm(x, dtype=_F32).square() / n
     lo, hi = torch.aminmax(x)
     return solver.TensorStats(mean, sq, lo.to(_F32), hi.to(_F32))
+
+
+_CODE_TABLES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def fp8_histogram(q: torch.Tensor, u_min: float, u_max: float, sm: ScalarMath) -> solver.Fp8Histogram:
+    """:func:`adaloss.solver.fp8_histogram` of the fp8 tensor ``q``, in ``sm``'s namespace: one
+    ``bincount`` of its bytes (widening an fp8 tensor on a CPU costs ~10x a read of it)."""
+    key = (q.dtype, q.device, u_min, u_max, sm.xp is xp)
+    codes = _CODE_TABLES.get(key)
+    if codes is None:  # the number each byte stands for, and what the statistics count of it
+        values = torch.arange(256, dtype=torch.uint8, device=q.device).view(q.dtype).to(_F32)
+        values = sm.to_xp(values)
+        codes = _CODE_TABLES[key] = (values, solver.fp8_code_table(values, u_min, u_max, sm.xp))
+    counts = torch.bincount(q.reshape(-1).view(torch.uint8), minlength=256)
+    return solver.fp8_histogram(sm.to_xp(counts), *codes, sm.xp)
+
+
+def fp8_cast_counts(g: torch.Tensor, q: torch.Tensor, config: AdaLossConfig, sm: ScalarMath
+                    ) -> tuple[solver.Fp8Histogram, tuple[Any, Any, Any]]:
+    """The histogram of ``q``, ``g`` cast to fp8, and the cast's fractions
+    (:func:`adaloss.solver.quantized_fractions`), in ``sm``'s namespace: a histogram of ``q`` and
+    a count of ``g``'s non-zero entries; ``g``'s saturated entries are counted only where ``q``
+    holds the format's max or a NaN (the casts of any there were), or on a device (no host read)."""
+    hist = fp8_histogram(q, config.underflow_limit, config.overflow_limit, sm)
+    nonzero = sm.to_xp(torch.count_nonzero(g).to(_F32))
+    if sm is ON_HOST and not (hist.at_max > 0 or hist.nan > 0):
+        saturated = sm.xp.zeros_like(nonzero)
+    else:
+        saturated = sm.to_xp(solver.saturated_count(g, config, xp))
+    return hist, solver.fractions_of_counts(nonzero, hist.nonzero, hist.held, saturated, sm.xp)
 
 
 def _min_max(x: torch.Tensor) -> solver.TensorStats:
@@ -683,7 +715,8 @@ class ScaledBackward:
             fit = solver.fp8_fit_scale(cfg, self.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, self.bo)
             g, incoming = self._rescale(g, fit.scale), incoming * fit.scale
         behind = self.deciders.get(p.sym, frozenset())
-        q, gq, q_absmax, fractions = self._quantize(g, behind)
+        q, gq, hist, fractions = self._quantize(g, behind)
+        q_absmax = hist.absmax
         wcap = self._weight_grad_cap(p, gq)
         if p.kind == "input":  # no decision: only the node's 16-bit weight gradient capped
             r = sx.ones_like(incoming) if wcap is None else solver.at_most(wcap, sx)
@@ -694,12 +727,16 @@ class ScaledBackward:
             cached = self._cached(p.name)
             if cfg.fp8_rule == "current" or not cfg.layer_rule:
                 cached = (sx.ones_like(incoming), sx.zeros_like(incoming))
-            # E[g²] and, for a fresh decision, the largest row's (solver.worst_row_sq_mean) from
-            # one pass: the rows' sums of squares
-            rows = torch.linalg.vector_norm(gq, dim=p.feature_dim, dtype=_F32).square()
-            gs = self._stats(solver.TensorStats(None, rows.sum() / gq.numel(), None, None, q_absmax))
-            ws = self._stats(tensor_stats(self._weight(p), with_mean=False))
-            row_sq = None if cached is not None else self.sm.to_xp(rows.amax() / gq.shape[p.feature_dim])
+            # E[g²] from the histogram; for a fresh decision, the largest row's
+            # (solver.worst_row_sq_mean): one pass over the rows' sums of squares
+            gs = solver.TensorStats(None, hist.sq_sum / gq.numel(), None, None, q_absmax)
+            node = self.plan.nodes[p.index]
+            ws = (node._forward_cls.weight_statistics(node, self.sm) if node.name() == FP8_NODE
+                  else self._stats(tensor_stats(self._weight(p), with_mean=False)))
+            row_sq = None
+            if cached is None:
+                rows = torch.linalg.vector_norm(gq, dim=p.feature_dim, dtype=_F32)
+                row_sq = self.sm.to_xp(rows.amax().square() / gq.shape[p.feature_dim])
             d = solver.fp8_layer_scale(cfg, gs, ws, p.fan_in, incoming, torch.finfo(g.dtype).max, sx,
                                        cached_model_scale=None if cached is None else cached[0],
                                        cached_sigma=None if cached is None else cached[1], backoff=self.bo,
@@ -722,25 +759,30 @@ class ScaledBackward:
             go[0] = g  # gradient sums the 16-bit cotangent
         else:
             go[0] = self._rescale(gq, d.scale)
-        self.decisions[p.name] = _Decision(kind, d, d.sigma, incoming, outgoing, self.sm.to_xp(q_absmax),
+        self.decisions[p.name] = _Decision(kind, d, d.sigma, incoming, outgoing, q_absmax,
                                            p.fan_in, held, fractions, current)
 
     def _quantize(self, g: torch.Tensor, behind: frozenset[str]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, solver.Fp8Histogram, Any]:
         """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the fp8 values, the
-        same in ``g``'s dtype (exactly: what a node's 16-bit GEMMs read), their ``max|q|`` and the
-        cast's fractions; the
-        decisions ``behind`` the scale hear the fractions' signal (:func:`adaloss.solver.fp8_signal`)."""
-        cfg = self.config
+        same in ``g``'s dtype (exactly: what a node's 16-bit GEMMs read), their statistics
+        (:func:`fp8_histogram`) and the cast's fractions (:func:`adaloss.solver.quantized_fractions`),
+        in the pass's scalar namespace; the decisions ``behind`` the scale hear the fractions'
+        signal (:func:`adaloss.solver.fp8_signal`)."""
+        cfg, sm = self.config, self.sm
         q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
         gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
-        q_absmax = gq.abs().amax().to(_F32)
-        fractions = solver.quantized_fractions(g, gq, cfg, xp)  # gq: q in a dtype torch reduces
+        hist, fractions = fp8_cast_counts(g, q, cfg, sm)
         if cfg.underflow_feedback:
-            signal = solver.fp8_signal(cfg, *fractions, q_absmax, torch.special.erfinv, xp)
+            if sm.xp is xp:
+                erfinv = torch.special.erfinv
+            else:  # NumPy scalars
+                from scipy.special import erfinv
+            with np.errstate(divide="ignore", invalid="ignore"):  # NumPy warns where torch gives ±inf
+                signal = sm.to_torch(solver.fp8_signal(cfg, *fractions, hist.absmax, erfinv, sm.xp))
             for name in behind:
                 self.fractions[name].append(signal)
-        return q, gq, q_absmax, fractions
+        return q, gq, hist, fractions
 
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
         """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
@@ -788,9 +830,6 @@ class ScaledBackward:
         """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
         by hooks (``torch.utils.checkpoint``: reading it here would leave none for the node's
         own backward), the same values rebuilt from the parameter (``NodePlan.recipe``)."""
-        node = self.plan.nodes[p.index]
-        if node.name() == FP8_NODE:
-            return node._forward_cls.weight_for_statistics(node)
         saved = self._saved(p, p.weight_attr)
         if saved is not None:
             return saved
