@@ -297,9 +297,11 @@ def torch_fp8(docs: Path) -> str:
     (``docs/torch_fp8.json``, written by ``python benchmarks/torch_fp8.py``)."""
     from adaloss_zoo.fp8_tables import gemm_summary, gemm_table
     payload = _json(docs, "torch_fp8.json")
-    return "\n".join([f"`{payload['machine']}`, batch {payload['batch']} × {payload['seq']} tokens, "
-                      f"median of {payload['repeats']} alternating rounds:", "", gemm_table(payload), "",
-                      *gemm_summary(payload)])
+    gemms = (", each fp8 GEMM a bf16 stand-in (its time left out of the time outside the GEMMs; the "
+             "errors from the real `torch._scaled_mm`)" if payload.get("gemm") == "stand-in" else "")
+    head = (f"`{payload['command']}`, `{payload['machine']}`, batch {payload['batch']} × {payload['seq']} "
+            f"tokens, median of {payload['repeats']} alternating rounds{gemms}:")
+    return "\n".join([head, "", gemm_table(payload), "", *gemm_summary(payload)])
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {

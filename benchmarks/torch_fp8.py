@@ -242,7 +242,8 @@ def main() -> None:
                "errors": errors(CASES[name], args.seeds) if args.seeds else {}}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        payload = {"command": "python benchmarks/torch_fp8.py", "machine": machine("torch"),
+        command = "python benchmarks/torch_fp8.py" + (" --gemm stand-in" if args.gemm == "stand-in" else "")
+        payload = {"command": command, "machine": machine("torch"),
                    "batch": args.batch, "seq": args.seq, "repeats": args.repeats, "steps": args.steps,
                    "seeds": args.seeds, "gemm": args.gemm, "rows": rows}
         print(gemm_table({**payload, "rows": [row]}), flush=True)

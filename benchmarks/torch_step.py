@@ -1,0 +1,138 @@
+"""PyTorch's training step under AdaLossScaler against torch.amp.GradScaler: aten ops dispatched
+per step (each one or more GPU kernels) and CPU step time, on HF GPT-2.
+
+    python benchmarks/torch_step.py                  # docs/torch_step.json, table printed
+    python benchmarks/torch_step.py --models gpt2-2x128 --repeats 3 --json /tmp/torch_step.json
+
+Models (``transformers.GPT2LMHeadModel``, vocab 1000, 64 positions): ``gpt2-2x128`` (the torch
+zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M parameters). A step:
+fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler's scaled backward,
+``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. Ops: every aten op dispatched in one
+step (a ``TorchDispatchMode`` counting them, views included, the backward's too), the mean of 3
+steps; per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
+the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
+
+Not a test: ``tests/test_study_cli.py`` runs a tiny preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
+
+import torch_bridge
+from adaloss_study.overhead import machine
+
+MODELS = {"gpt2-2x128": (2, 128), "gpt2-4x256": (4, 256), "gpt2-6x384": (6, 384)}
+METHODS = ("GradScaler", "AdaLossScaler")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    layers, dim = MODELS[name]
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=64, n_embd=dim, n_layer=layers,
+                                      n_head=4))
+
+
+def stepper(name: str, method: str, batch: int, seq: int) -> tuple[Callable[[], None], Any]:
+    """One training step of ``method`` on a fresh copy of the model, and its scaler."""
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = (torch.amp.GradScaler("cpu") if method == "GradScaler" else torch_bridge.AdaLossScaler(model))
+    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(2):  # warm-up: the scaler's plan, the optimizer's state
+        step()
+    return step, scaler
+
+
+def count_ops(step: Callable[[], None], steps: int = 3) -> Counter[str]:
+    with OpCounter() as c:
+        for _ in range(steps):
+            step()
+    return Counter({k: v / steps for k, v in c.ops.items()})
+
+
+def measure(name: str, batch: int, seq: int, repeats: int, steps: int) -> dict[str, Any]:
+    runs = {m: stepper(name, m, batch, seq) for m in METHODS}
+    ops = {m: count_ops(step) for m, (step, _) in runs.items()}
+    rounds: dict[str, list[float]] = {m: [] for m in METHODS}
+    for _ in tqdm(range(repeats), desc=name, leave=False):
+        for m, (step, _) in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            rounds[m].append(1e3 * (time.perf_counter() - t0) / steps)
+    scaler = runs["AdaLossScaler"][1]
+    layers = len(scaler.layer_reports())
+    extra = Counter({k: ops["AdaLossScaler"][k] - ops["GradScaler"].get(k, 0) for k in ops["AdaLossScaler"]})
+    return {"model": name, "parameters": sum(p.numel() for p in build(name).parameters()),
+            "ops": {m: sum(c.values()) for m, c in ops.items()}, "decisions": layers,
+            "extra_ops_top": dict(extra.most_common(15)),
+            "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()}}
+
+
+def table(payload: dict[str, Any]) -> str:
+    lines = ["| model | aten ops / step: GradScaler | AdaLossScaler | ratio | extra per decision "
+             "| ms/step: GradScaler | AdaLossScaler | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        o, t = r["ops"], r["median_ms"]
+        per = "" if not r["decisions"] else f"{(o['AdaLossScaler'] - o['GradScaler']) / r['decisions']:.0f}"
+        lines.append(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M) | {o['GradScaler']:.0f} | "
+                     f"{o['AdaLossScaler']:.0f} | {o['AdaLossScaler'] / o['GradScaler']:.2f} | {per} | "
+                     f"{t['GradScaler']:.1f} | {t['AdaLossScaler']:.1f} | "
+                     f"{t['AdaLossScaler'] / t['GradScaler']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=Path("docs/torch_step.json"))
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")  # transformers' config notes
+    rows = [measure(m, args.batch, args.seq, args.repeats, args.steps) for m in args.models]
+    payload = {"command": "python benchmarks/torch_step.py", "machine": machine("torch"), "batch": args.batch,
+               "seq": args.seq, "repeats": args.repeats, "steps": args.steps, "rows": rows}
+    args.json.write_text(json.dumps(payload, indent=1))
+    print(table(payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
