@@ -7,7 +7,9 @@ per step (each one or more GPU kernels) and CPU step time, on HF GPT-2.
 Models (``transformers.GPT2LMHeadModel``, vocab 1000, 64 positions): ``gpt2-2x128`` (the torch
 zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M parameters). A step:
 fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler's scaled backward,
-``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. Ops: every aten op dispatched in one
+``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. ``AdaLossScaler, device math``: the
+scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel (on a
+CPU the default computes them on NumPy scalars). Ops: every aten op dispatched in one
 step (a ``TorchDispatchMode`` counting them, views included, the backward's too), the mean of 3
 steps; per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
 the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
@@ -35,7 +37,7 @@ import torch_bridge
 from adaloss_study.overhead import machine
 
 MODELS = {"gpt2-2x128": (2, 128), "gpt2-4x256": (4, 256), "gpt2-6x384": (6, 384)}
-METHODS = ("GradScaler", "AdaLossScaler")
+METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math")
 
 
 class OpCounter(TorchDispatchMode):
@@ -62,7 +64,8 @@ def stepper(name: str, method: str, batch: int, seq: int) -> tuple[Callable[[], 
     """One training step of ``method`` on a fresh copy of the model, and its scaler."""
     model = build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = (torch.amp.GradScaler("cpu") if method == "GradScaler" else torch_bridge.AdaLossScaler(model))
+    scaler = (torch.amp.GradScaler("cpu") if method == "GradScaler" else
+              torch_bridge.AdaLossScaler(model, host_math=not method.endswith("device math")))
     ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
@@ -96,23 +99,27 @@ def measure(name: str, batch: int, seq: int, repeats: int, steps: int) -> dict[s
             rounds[m].append(1e3 * (time.perf_counter() - t0) / steps)
     scaler = runs["AdaLossScaler"][1]
     layers = len(scaler.layer_reports())
-    extra = Counter({k: ops["AdaLossScaler"][k] - ops["GradScaler"].get(k, 0) for k in ops["AdaLossScaler"]})
+    extra = {m: dict(Counter({k: c[k] - ops["GradScaler"].get(k, 0) for k in c}).most_common(12))
+             for m, c in ops.items() if m != "GradScaler"}
     return {"model": name, "parameters": sum(p.numel() for p in build(name).parameters()),
             "ops": {m: sum(c.values()) for m, c in ops.items()}, "decisions": layers,
-            "extra_ops_top": dict(extra.most_common(15)),
+            "extra_ops_top": extra,
             "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()}}
 
 
 def table(payload: dict[str, Any]) -> str:
-    lines = ["| model | aten ops / step: GradScaler | AdaLossScaler | ratio | extra per decision "
-             "| ms/step: GradScaler | AdaLossScaler | ratio |", "|---|---|---|---|---|---|---|---|"]
+    """Per model and method: aten ops per step (and over GradScaler's, and beyond them per
+    decision) and the median ms/step (and over GradScaler's)."""
+    lines = ["| model | method | aten ops / step | ÷ GradScaler's | extra per decision | ms/step "
+             "| ÷ GradScaler's |", "|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         o, t = r["ops"], r["median_ms"]
-        per = "" if not r["decisions"] else f"{(o['AdaLossScaler'] - o['GradScaler']) / r['decisions']:.0f}"
-        lines.append(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M) | {o['GradScaler']:.0f} | "
-                     f"{o['AdaLossScaler']:.0f} | {o['AdaLossScaler'] / o['GradScaler']:.2f} | {per} | "
-                     f"{t['GradScaler']:.1f} | {t['AdaLossScaler']:.1f} | "
-                     f"{t['AdaLossScaler'] / t['GradScaler']:.2f} |")
+        for i, m in enumerate(METHODS):
+            per = "" if m == "GradScaler" else f"{(o[m] - o['GradScaler']) / r['decisions']:.0f}"
+            size = f"{r['parameters'] / 1e6:.1f}M, {r['decisions']} decisions"
+            model = f"{r['model']} ({size})" if i == 0 else ""
+            lines.append(f"| {model} | {m} | {o[m]:.0f} | {o[m] / o['GradScaler']:.2f} | {per} | {t[m]:.1f} "
+                         f"| {t[m] / t['GradScaler']:.2f} |")
     return "\n".join(lines)
 
 

@@ -74,6 +74,22 @@ def test_gpu_benchmark_script_runs_its_tiny_preset(tmp_path):
     assert out["ratio"]["adaloss-product"] > 0 and out["parameters"] > 0 and (tmp_path / "gpu.json").exists()
 
 
+def test_torch_step_benchmark_counts_the_ops_each_scaler_dispatches(tmp_path):
+    """AdaLossScaler's step dispatches GradScaler's ops and a decision's beyond them, more as
+    0-d tensor ops (a GPU's path) than on host scalars; the table has a row per method."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import torch_step
+
+    out = torch_step.main(["--models", "gpt2-2x128", "--repeats", "1", "--steps", "1", "--batch", "2",
+                           "--seq", "16", "--json", str(tmp_path / "step.json")])
+    (row,) = out["rows"]
+    ops = row["ops"]
+    assert ops["GradScaler"] < ops["AdaLossScaler"] < ops["AdaLossScaler, device math"], ops
+    assert row["decisions"] > 0 and torch_step.table(out).count("\n") == 1 + len(torch_step.METHODS)
+
+
 def test_study_torch_framework(tmp_path, capsys):
     out = tmp_path / "torch"
     argv = ["--framework", "torch", "--steps", "3", "--measure-every", "2", "--methods", "fp32", "fp16",

@@ -120,16 +120,31 @@ class BackwardRecord:
         return {n: d.to_torch(self.math).report(self.config) for n, d in self.decisions.items()}
 
 
+def _sum_of_squares(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``Σ x²`` in fp32, over ``dim`` (2-d ``x``) or all entries. On a CPU from an fp32 copy (a
+    BLAS dot product, or an in-place square summed over the rows: 2-4x faster than
+    ``vector_norm``'s reduction of 16-bit values, ~3x for a strided column reduction); elsewhere
+    one fused ``vector_norm`` reading ``x`` in its own dtype."""
+    if x.device.type != "cpu":
+        return torch.linalg.vector_norm(x, dim=dim, dtype=_F32).square()
+    w = x.to(_F32)
+    if dim is None:
+        w = w.reshape(-1)
+        return torch.dot(w, w)
+    w = w.square_() if w is not x else w.square()  # never in place on x itself
+    return w.sum(dim)
+
+
 def tensor_stats(x: torch.Tensor, with_mean: bool = True) -> solver.TensorStats:
     """fp32 (mean,) mean square, min and max of ``x``, as :func:`adaloss.solver.tensor_stats`.
 
-    Fused reductions over ``x`` in its own dtype (sum and 2-norm accumulate in
-    fp32; ``torch.var_mean`` on an fp32 copy is ~7x slower on CPU). The mean is
+    Reductions over ``x`` accumulating in fp32 (:func:`_sum_of_squares`; ``torch.var_mean`` on
+    an fp32 copy is ~7x slower on CPU). The mean is
     skipped (``None``) when the statistical model does not use it.
     """
     n = x.numel()
     mean = torch.sum(x, dtype=_F32) / n if with_mean else None
-    sq = torch.linalg.vector_norm(x, dtype=_F32).square() / n
+    sq = _sum_of_squares(x) / n
     lo, hi = torch.aminmax(x)
     return solver.TensorStats(mean, sq, lo.to(_F32), hi.to(_F32))
 
@@ -816,8 +831,8 @@ class ScaledBackward:
             g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if p.act_attr != "_saved_input" and g.shape[0] != x.shape[0]:
             return None
-        g_norm = torch.linalg.vector_norm(g, dim=0, dtype=_F32).amax()
-        x_norm = torch.linalg.vector_norm(x, dim=0, dtype=_F32).amax()
+        g_norm = _sum_of_squares(g, 0).amax().sqrt()
+        x_norm = _sum_of_squares(x.detach(), 0).amax().sqrt()
         return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
                                       g.shape[0], self.sm.xp, self.bo, self._wgrad_limit(g))
 
