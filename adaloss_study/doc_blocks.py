@@ -250,13 +250,19 @@ def gpu_program(docs: Path) -> str:
     lm = {m: (get(m, "adaloss", "triton"), get(m, "adaloss e4m3 operands", "triton"))
           for m in ("lm-unrolled", "lm-scanned")}
 
+    def kept(r: dict[str, Any], fmt: str, what: str) -> str:
+        """How many of the jaxpr's casts to ``fmt`` the program keeps; more converts than casts are
+        copies (only those casts convert to ``fmt``): XLA repeated a cast in fusions that read it."""
+        c, j = r["converts"][fmt], r["jaxpr_casts"][fmt]
+        return f"{c} of the jaxpr's {j} {what}" if c <= j else \
+            f"the jaxpr's {j} {what} as {c} converts (XLA repeats some in the fusions that read them)"
+
     def lm_text(model: str) -> str:
         grads, both = lm[model]
-        e5, e4 = "f8e5m2", "f8e4m3fn"
-        return (f"{grads['converts'][e5]} of {grads['jaxpr_casts'][e5]} cotangent casts and, with e4m3 "
+        return (f"{kept(grads, 'f8e5m2', 'cotangent casts')} and, with e4m3 "
                 f"operands, {both['fp8_gemms']} FP8 GEMMs of {both['gemms']} (the other "
                 f"{both['gemms'] - both['fp8_gemms']} multiply activations: attention), keeping "
-                f"{both['converts'][e4]} of the jaxpr's {both['jaxpr_casts'][e4]} operand casts")
+                f"{kept(both, 'f8e4m3fn', 'operand casts')}")
 
     def passes(model: str, method: str) -> str:
         t, c = get(model, method, "triton"), get(model, method, "cublas")
