@@ -30,7 +30,7 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from torch_bridge._xp import ScalarMath, xp
 from torch_bridge.graph import FP8_NODE
-from torch_bridge.hooks import FP8_COTANGENT, fp8_histogram
+from torch_bridge.hooks import FP8_COTANGENT, _min_max, fp8_histogram
 
 _F32 = torch.float32
 assert FP8_NODE == "_Float8MatmulBackward"  # autograd's name for _Float8Matmul's node
@@ -51,8 +51,7 @@ def quantize(x: torch.Tensor, config: AdaLossConfig, fmt: str, limit: float, sca
     :func:`adaloss.solver.operand_scale`), saturating (:func:`adaloss.solver.to_fp8`), and that
     scale as a 0-d fp32 tensor: ``x ≈ q / s``."""
     if scale is None:
-        lo, hi = torch.aminmax(x)  # one pass
-        scale = solver.operand_scale(config, torch.maximum(-lo, hi).to(_F32), xp)
+        scale = solver.operand_scale(config, solver.absmax(_min_max(x), xp), xp)  # one pass
     # a power of two scales a 16-bit x exactly in its own dtype (one pass, no fp32 copy)
     y = x * scale if config.power_of_two and x.dtype.itemsize == 2 else x.to(_F32) * scale
     return solver.to_fp8(y, getattr(torch, fmt), limit, xp), scale
