@@ -126,12 +126,24 @@ def log_stats(x: Array, xp: Any) -> LogStats:
     """
     a = xp.abs(_f32(x, xp))
     nz = a > 0
+    logs = log_magnitudes(a, nz, xp)
     count = xp.sum(xp.astype(nz, xp.float32))
-    logs = xp.where(nz, xp.log(xp.where(nz, a, xp.ones_like(a))), xp.zeros_like(a))
+    return log_stats_of_sums(count, xp.sum(logs), xp.sum(logs * logs), xp.max(a), xp)
+
+
+def log_magnitudes(a: Array, nonzero: Array, xp: Any) -> Array:
+    """``ln a`` where ``nonzero``, else 0 (``a = |x|`` in fp32)."""
+    return xp.where(nonzero, xp.log(xp.where(nonzero, a, xp.ones_like(a))), xp.zeros_like(a))
+
+
+def log_stats_of_sums(count: Array, log_sum: Array, log_sq_sum: Array, absmax: Array, xp: Any) -> LogStats:
+    """:func:`log_stats` from the sums over the ``count`` non-zero entries of ``ln|x|`` and
+    ``ln²|x|``, and ``max|x|``."""
+    count = xp.astype(count, xp.float32)
     denom = xp.maximum(count, xp.asarray(1.0, dtype=xp.float32))
-    mean = xp.sum(logs) / denom
-    var = xp.maximum(xp.sum(logs * logs) / denom - mean * mean, xp.zeros_like(mean))
-    return LogStats(mean, xp.sqrt(var), count, xp.max(a))
+    mean = log_sum / denom
+    var = xp.maximum(log_sq_sum / denom - mean * mean, xp.zeros_like(mean))
+    return LogStats(mean, xp.sqrt(var), count, absmax)
 
 
 def pow2_floor(x: Array, xp: Any) -> Array:
@@ -614,9 +626,15 @@ def subnormal_fraction(x: Array, config: AdaLossConfig, xp: Any, absmax: Array |
     number of true entries of a boolean array, exactly; default ``xp.count_nonzero``) lets a
     framework count its fastest way."""
     count = xp.count_nonzero if count is None else count
-    size = math.prod(x.shape)
-    nonzero = count(x != 0)
-    below = count(xp.abs(x) < config.underflow_limit) - (size - nonzero)
+    return subnormal_fraction_of_counts(count(x != 0), count(xp.abs(x) < config.underflow_limit),
+                                        math.prod(x.shape), config, xp, absmax)
+
+
+def subnormal_fraction_of_counts(nonzero: Array, below: Array, size: int, config: AdaLossConfig, xp: Any,
+                                 absmax: Array | None = None) -> Array:
+    """:func:`subnormal_fraction` from the counts of a tensor of ``size`` entries: ``nonzero``
+    entries, ``below`` entries under ``u_min`` in magnitude (zeros included)."""
+    below = below - (size - nonzero)
     frac = xp.astype(below, xp.float32) / xp.astype(xp.maximum(nonzero, xp.ones_like(nonzero)), xp.float32)
     if absmax is None:
         return frac

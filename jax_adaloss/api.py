@@ -170,12 +170,12 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         backoff_f, lift_f = backoff if backoff is not None else (None, None)
-        outs, cts, report, signals = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
+        outs, cts, report, signals, inverses = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
                                                      capture_cotangents, adaptive, fp32_backward,
                                                      backoff_f, lift_f, report=return_report)
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
         grad_leaves: list[Any] = list(flat)
-        for i, d, ct, origin in zip(dyn, diff, cts, origins):
+        for i, d, ct, inverse, origin in zip(dyn, diff, cts, inverses, origins):
             leaf = flat[i]
             signal = signals.get(origin) if origin is not None else None
             if d and ct is not None and signal is not None:
@@ -184,7 +184,8 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
                 if ct is None:
                     grad_leaves[i] = ScaledGrad.of(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal)
                 else:
-                    grad_leaves[i] = ScaledGrad.of(jnp.asarray(ct[0]).astype(leaf.dtype), ct[1], signal)
+                    grad_leaves[i] = ScaledGrad.of(jnp.asarray(ct[0]).astype(leaf.dtype), ct[1], signal,
+                                                   inverse=inverse)
             elif _is_array(leaf) and not _is_float(jnp.result_type(leaf)):
                 grad_leaves[i] = np.zeros(np.shape(leaf), jax.dtypes.float0)
         grads_args, _ = jax.tree_util.tree_unflatten(treedef, grad_leaves)

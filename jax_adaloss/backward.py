@@ -58,6 +58,7 @@ from jax.extend import core as jcore
 from adaloss import solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
+from jax_adaloss import reductions
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import rescale as _rescale
 from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, wide_vjp, widenable
@@ -576,9 +577,19 @@ class _Sweep:
         self.model_scales: dict[str, Any] = {}
         self.spreads: dict[str, Any] = {}
         self.cache = cache
+        self.inverses: dict[int, tuple[Any, Any]] = {}  # id(scale) -> (scale, 1 / scale)
         step = cache.step if cache is not None else jnp.zeros((), jnp.int32)
         self.recompute = (step % config.update_every) == 0
         self.step = step
+
+    def _settle(self, x: Any) -> Any:
+        """:func:`_settled`, the inverses of the scales recorded (:meth:`inverse_of`)."""
+        return _settled(x, self.inverses)
+
+    def inverse_of(self, scale: Any) -> Any:
+        """``1 / scale`` as the reduction that settled ``scale`` computed it, or ``None``."""
+        got = self.inverses.get(id(scale))
+        return got[1] if got is not None and got[0] is scale else None
 
     # -- merging ----------------------------------------------------------------
     def _u_max(self, dtype: Any) -> float:
@@ -599,12 +610,12 @@ class _Sweep:
         if all(p[1] is first for p in parts):
             return _sum([p[0] for p in parts]), first
         dtype = jnp.result_type(*[p[0] for p in parts])
-        absmax = [jnp.max(jnp.abs(p[0])).astype(_F32) for p in parts]
+        absmax = [_absmax(p[0]) for p in parts]
         if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
-            target = _settled(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
+            target = self._settle(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
                                                      self.backoff))
         else:
-            target = _settled(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
+            target = self._settle(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
         self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
         self._fit(target)
         return _stored(_sum([_rescale(ct, target / s) for ct, s in parts])), target
@@ -704,9 +715,9 @@ class _Sweep:
         """:func:`adaloss.solver.amplified_scale` before a scalar factor's transpose: the
         cotangent (and its scale) lowered by the power of two that keeps ``factor·s·g`` finite."""
         g = cts[0]
-        r = solver.amplified_scale(self.config, jnp.max(jnp.abs(g)).astype(_F32), factor, jnp,
+        r = solver.amplified_scale(self.config, _absmax(g), factor, jnp,
                                    self.backoff)
-        target = _settled(scale * r)
+        target = self._settle(scale * r)
         self._decided(target, self._decided_by(scale))
         self._fit(target, self._is_fitted(scale))
         return [_rescale(g, r)], target
@@ -827,12 +838,13 @@ class _Sweep:
         n = scales.shape[0]
         absmax = jnp.max(jnp.abs(ct.astype(_F32)).reshape(n, -1), axis=1)
         if self.config.fp8:
-            target = _settled(solver.fp8_merge_scale(self.config, [scales[k] for k in range(n)],
+            target = self._settle(solver.fp8_merge_scale(self.config, [scales[k] for k in range(n)],
                                                      [absmax[k] for k in range(n)], jnp, self.backoff,
                                                      summed=False))
         else:
-            target = _settled(solver.merge_scale([scales[k] for k in range(n)], [absmax[k] for k in range(n)],
-                                                 self._u_max(jnp.result_type(ct)), jnp))
+            target = self._settle(solver.merge_scale([scales[k] for k in range(n)],
+                                                     [absmax[k] for k in range(n)],
+                                                     self._u_max(jnp.result_type(ct)), jnp))
         factor = (target / scales).reshape((n,) + (1,) * (np.ndim(ct) - 1))
         return _rescale(ct, factor), target
 
@@ -854,26 +866,26 @@ class _Sweep:
         cfg = self.config
         weight = None if cfg.model == "gradient" else node.weight
 
-        with_mean = cfg.model == "gradient"  # the other models need E[x²] only
+        # every reduction of g (and of W) the decision reads: one pass each on a GPU
+        gs = reductions.statistics(g, sq_mean=True, mean=cfg.model == "gradient",
+                                   below=cfg.underflow_limit if cfg.underflow_feedback else None)
+        ws = None if weight is None else reductions.statistics(weight, sq_mean=True)
+        g_ext, w_ext = gs.magnitude(), None if ws is None else ws.magnitude()
 
         def fresh() -> tuple[Any, Any]:
-            ws = None if weight is None else solver.magnitude_stats(weight, jnp)
-            gs = solver.magnitude_stats(g, jnp, with_mean)
-            sigma = solver.model_sigma(cfg, gs, ws, node.fan_in, jnp)
+            sigma = solver.model_sigma(cfg, g_ext, w_ext, node.fan_in, jnp)
             return solver.model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
 
         s_model, sigma = self._statistical(node.name, fresh)
-        # the caps use current statistics on every call (the same max|g| reduction: XLA's CSE)
-        g_ext = solver.magnitude_stats(g, jnp, moments=False)
+        # the caps use current statistics on every call
         behind = self._decided_by(incoming)
         if cfg.underflow_feedback:
-            frac = solver.subnormal_fraction(g, cfg, jnp, solver.absmax(g_ext, jnp), _count)
+            frac = solver.subnormal_fraction_of_counts(gs.nonzero, gs.below, gs.size, cfg, jnp, gs.absmax)
             for name in behind:
                 self.fractions[name].append(frac)
-        w_ext = None if weight is None else solver.magnitude_stats(weight, jnp, moments=False)
         d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
                                cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
-        scale, outgoing = _settled((d.scale, incoming * d.scale))
+        scale, outgoing = self._settle((d.scale, incoming * d.scale))
         d = d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
         self.limited[node.name] = d.unrounded < d.model_scale
@@ -913,8 +925,8 @@ class _Sweep:
         (:func:`adaloss.solver.fp8_fit_scale`): ``g`` rescaled and the scale it then carries."""
         fit = solver.fp8_fit_scale(self.config, jnp.max(jnp.abs(g)).astype(_F32), incoming, jnp,
                                    self.backoff)
-        r = _settled(fit.scale)
-        g, incoming = _rescale(g, r), _settled(incoming * r)
+        r = self._settle(fit.scale)
+        g, incoming = _rescale(g, r), self._settle(incoming * r)
         self._fit(incoming)
         return g, incoming
 
@@ -977,7 +989,7 @@ class _Sweep:
         d = solver.fp8_layer_scale(cfg, q_ext, solver.magnitude_stats(weight, jnp, moments=False),
                                    node.fan_in, incoming, carrier_max, jnp, cached_model_scale=s_model,
                                    cached_sigma=sigma, backoff=self.backoff)
-        scale, outgoing = _settled((d.scale, incoming * d.scale))
+        scale, outgoing = self._settle((d.scale, incoming * d.scale))
         d = d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
         self._fit(outgoing)
@@ -1017,7 +1029,7 @@ class _Sweep:
         if cfg.fp8:  # it reads its tensor anyway: per-tensor current scaling, no entry saturates
             m = jnp.max(jnp.abs(g)).astype(_F32)
             d = solver.fp8_fit_scale(cfg, m, incoming, jnp, self.backoff)
-            scale, outgoing = _settled((d.scale, incoming * d.scale))
+            scale, outgoing = self._settle((d.scale, incoming * d.scale))
             d = d._replace(scale=scale)
             (ct,) = node.vjp([_rescale(g, d.scale)])
             self.cts[node.ins[0]].append((ct, outgoing))
@@ -1026,14 +1038,15 @@ class _Sweep:
                 self._report(node, d, incoming, outgoing, jnp.zeros((), _F32), m)
             return
 
+        st = reductions.statistics(g, logs=True)
+
         def fresh() -> tuple[Any, Any]:
-            ls = solver.log_stats(g, jnp)
-            return solver.cast_model_scale(cfg, ls, jnp, self.backoff), ls
+            return solver.cast_model_scale(cfg, st.logs, jnp, self.backoff), st.logs
 
         s_model, ls = self._statistical(node.name, fresh)
-        ls = ls._replace(absmax=jnp.max(jnp.abs(g)).astype(_F32))  # the cap: current max|g|
+        ls = ls._replace(absmax=st.absmax)  # the cap: current max|g|
         d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=s_model, backoff=self.backoff)
-        scale, outgoing = _settled((d.scale, incoming * d.scale))
+        scale, outgoing = self._settle((d.scale, incoming * d.scale))
         d = d._replace(scale=scale)
         (ct,) = node.vjp([_rescale(g, d.scale)])
         self.cts[node.ins[0]].append((ct, outgoing))
@@ -1101,32 +1114,30 @@ def _named_axes(params: dict[str, Any]) -> tuple[Any, ...]:
     return ()
 
 
-def _settled(x: Any) -> Any:
+def _settled(x: Any, inverses: dict[int, tuple[Any, Any]] | None = None) -> Any:
     """``x`` (non-negative fp32 scalars: scales), unchanged, as the result of a reduction
     (``max(v, v/2)``), which XLA never fuses into its consumers. Without this, every decision's
     chain of scalar ops (and every earlier decision's, through the incoming scale) is duplicated
     into each elementwise fusion that reads a scale: compile and step time grow with the square
     of the depth. (``lax.optimization_barrier`` does not do it: XLA:CPU removes it before
-    fusion; a reduction of identical values is simplified away.)"""
+    fusion; a reduction of identical values is simplified away.) Several scales (a decision's
+    own and its outgoing one) go through one variadic reduction: one kernel whose results are
+    scalars (slices of a stacked result would each be a kernel on a GPU). With ``inverses``,
+    the same reduction computes ``1 / v`` too, recorded there under the result's ``id`` (a
+    gradient's :class:`~jax_adaloss.scaled_grad.ScaledGrad` check, else a kernel per scale)."""
     leaves, tree = jax.tree.flatten(x)
     halves = jnp.array([1.0, 0.5], _F32)
-    if len(leaves) == 1:
-        return jax.tree.unflatten(tree, [jnp.max(leaves[0] * halves)])
-    # several scales (a decision's own and its outgoing one): one reduction, fewer kernels
-    out = jnp.max(jnp.stack(leaves)[:, None] * halves, axis=1)
-    return jax.tree.unflatten(tree, [out[i] for i in range(len(leaves))])
-
-
-#: below this many entries, a sum of fp32 0/1 values is exact in any order
-_EXACT_F32_COUNT = 2**24
-
-
-def _count(mask: Any) -> Any:
-    """The number of true entries of ``mask``, exactly: a sum of fp32 0/1 values below
-    :data:`_EXACT_F32_COUNT` entries (about twice as fast as an integer count on XLA:CPU),
-    an int32 count above."""
-    dtype = _F32 if math.prod(np.shape(mask)) < _EXACT_F32_COUNT else jnp.int32
-    return jnp.sum(mask, dtype=dtype)
+    leaves = [jnp.asarray(v, _F32) for v in leaves]
+    operands = [v * halves for v in leaves]
+    if inverses is not None:
+        operands += [(1.0 / v) * halves for v in leaves]
+    out = jax.lax.reduce(tuple(operands), (_F32(-jnp.inf),) * len(operands),
+                         lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)), (0,))
+    n = len(leaves)
+    if inverses is not None:
+        for v, inv in zip(out[:n], out[n:]):
+            inverses[id(v)] = (v, inv)
+    return jax.tree.unflatten(tree, list(out[:n]))
 
 
 def _stored(x: Any) -> Any:
@@ -1196,6 +1207,13 @@ def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
     return dequantized(jax.lax.optimization_barrier(q), s, jnp.result_type(x))
 
 
+def _absmax(x: Any) -> Any:
+    """``max|x|`` in fp32 (:func:`jax_adaloss.reductions.statistics`: one kernel on a GPU)."""
+    if not reductions.fused():
+        return jnp.max(jnp.abs(x)).astype(_F32)  # in x's dtype, then widened: exact either way
+    return reductions.statistics(x).absmax
+
+
 def _any(flags: list[Any]) -> Any:
     """Logical or of traced booleans (``False`` for none)."""
     out: Any = False
@@ -1248,7 +1266,8 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
                     cache: ScaleCache | None, capture: bool = False, adaptive: bool = True,
                     fp32: bool = False, backoff: Any = None, lift: dict[str, Any] | None = None,
                     report: bool = True
-                    ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any]]:
+                    ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any],
+                               list[Any]]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
     ``diff[i]``: flat argument ``i`` is differentiated; ``origins[i]``: its weight name
@@ -1263,7 +1282,9 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     the report's ``layers`` are then empty). Returns the
     outputs, ``(cotangent, scale)`` (or ``None``: not differentiated, or unused) per flat
     argument, the report, and per weight the underflow ratio its decisions left
-    (:meth:`_Sweep.underflow_signals`; empty without ``config.underflow_feedback``).
+    (:meth:`_Sweep.underflow_signals`; empty without ``config.underflow_feedback``), and per
+    flat argument ``1 / scale`` of its gradient where the backward computed it with the scale
+    (else ``None``).
     """
     tape = _Tape(config, regions=adaptive)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
@@ -1285,4 +1306,5 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
                       "differentiated weights (pass those to tx.init); their underflow feedback is off.",
                       AdaLossCoverageWarning, stacklevel=3)
     grads = [sweep.take(s) if d else None for s, d in zip(in_slots, diff)]
-    return outs, grads, sweep.report(), sweep.underflow_signals()
+    inverses = [None if g is None else sweep.inverse_of(g[1]) for g in grads]
+    return outs, grads, sweep.report(), sweep.underflow_signals(), inverses

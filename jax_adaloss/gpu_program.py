@@ -78,6 +78,8 @@ class GpuProgram:
       kernel_bytes: the bytes those kernels move if each reads its operands and writes its
         results once (cuBLAS workspaces left out): the memory traffic of the program as
         launched.
+      kernels_run, kernel_bytes_run: the same for one run of the program: a loop's body
+        counted once per iteration (its known trip count).
       second_passes: ``{"f8e4m3fn": n, "f8e5m2": n}``, the kernels casting a tensor to that
         format whose scale needed another kernel to read the tensor first, other than
         through a GEMM (per-tensor current scaling where the reduction cannot join the kernel
@@ -95,6 +97,8 @@ class GpuProgram:
     fp8_gemms: int
     kernels: int
     kernel_bytes: int
+    kernels_run: int
+    kernel_bytes_run: int
     second_passes: dict[str, int]
     bytes_accessed: float
     temp_bytes: int
@@ -185,10 +189,12 @@ def read_hlo(text: str) -> dict[str, Any]:
     fused: set[str] = set()
     shapes: dict[str, str] = {}  # instruction names are unique in a module
     current = None
+    entry = None
     for line in text.splitlines():
         m = _COMPUTATION.match(line)
         if m:
             current = comps.setdefault(m.group(2), [])
+            entry = m.group(2) if m.group(1) else entry
             continue
         if line.startswith("}"):
             current = None
@@ -208,6 +214,7 @@ def read_hlo(text: str) -> dict[str, Any]:
     types = {c: {n: d for n, d, _, _ in instrs} for c, instrs in comps.items()}
     converts = dict.fromkeys(FP8_TYPES, 0)
     gemms = reading = fp8 = kernels = kernel_bytes = 0
+    own: dict[str, list[int]] = {}  # computation -> [kernels, bytes] launched by its own instructions
     for comp, instrs in comps.items():
         for name, dtype, op, rest in instrs:
             if op == "convert" and dtype in converts:
@@ -218,8 +225,12 @@ def read_hlo(text: str) -> dict[str, Any]:
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
             operand_types = [types[comp].get(o, "") for o in operands]
             gemm = _is_gemm(op, rest)
-            kernel_bytes += sum(_array_bytes(shapes.get(o, "")) for o in operands) + _array_bytes(
+            moved = sum(_array_bytes(shapes.get(o, "")) for o in operands) + _array_bytes(
                 shapes[name], workspace=gemm and op == "custom-call")
+            kernel_bytes += moved
+            counts = own.setdefault(comp, [0, 0])
+            counts[0] += 1
+            counts[1] += moved
             if not gemm:
                 continue
             gemms += 1
@@ -229,9 +240,36 @@ def read_hlo(text: str) -> dict[str, Any]:
                 continue
             body = re.search(r"calls=%([\w.\-]+)", rest)
             fp8 += body is not None and _dot_takes_fp8(comps, types, body.group(1))
+    run = _launched(comps, own, entry) if entry is not None else (kernels, kernel_bytes)
     return {"converts": converts, "gemms": gemms, "gemms_reading_fp8": reading, "fp8_gemms": fp8,
-            "kernels": kernels, "kernel_bytes": kernel_bytes,
-            "second_passes": _second_passes(comps, fused, shapes)}
+            "kernels": kernels, "kernel_bytes": kernel_bytes, "kernels_run": run[0],
+            "kernel_bytes_run": run[1], "second_passes": _second_passes(comps, fused, shapes)}
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _launched(comps: dict[str, list[tuple[str, str, str, str]]], own: dict[str, list[int]], entry: str
+              ) -> tuple[int, int]:
+    """Kernels and bytes one run of ``entry`` launches: a ``while`` loop's body (and condition)
+    times its known trip count (once where XLA knows none), a called computation once."""
+    def walk(comp: str, depth: int = 0) -> tuple[int, int]:
+        k, b = own.get(comp, [0, 0])
+        for _, _, op, rest in comps.get(comp, ()):
+            if depth > 16 or op not in ("while", "call", "conditional"):
+                continue
+            trips = 1
+            if op == "while":
+                m = _TRIP_COUNT.search(rest)
+                trips = int(m.group(1)) if m else 1
+            for key in ("body", "condition", "to_apply", "branch_computations", "true_computation",
+                        "false_computation"):
+                for called in re.findall(key + r"=\{?%([\w.\-]+)", rest):
+                    n = trips + 1 if key == "condition" else trips
+                    ck, cb = walk(called, depth + 1)
+                    k, b = k + n * ck, b + n * cb
+        return k, b
+    return walk(entry)
 
 
 _WIDE = ("f16", "bf16", "f32")

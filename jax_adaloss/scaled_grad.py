@@ -44,11 +44,15 @@ class ScaledGrad(NamedTuple):
 
     @classmethod
     def of(cls, value: jax.Array, scale: jax.Array, underflow: jax.Array | None = None,
-           mismatch: jax.Array | None = None) -> ScaledGrad:
-        """A checked ``ScaledGrad`` (``inverse = 1 / scale``); ``mismatch`` (``|scale · inverse − 1|``
-        of the gradients it was reduced from) carries their inconsistency over."""
+           mismatch: jax.Array | None = None, inverse: jax.Array | None = None) -> ScaledGrad:
+        """A checked ``ScaledGrad`` (``inverse = 1 / scale``: the given one, computed with the
+        scale, or here); ``mismatch`` (``|scale · inverse − 1|`` of the gradients it was reduced
+        from) carries their inconsistency over."""
         scale = jnp.asarray(scale, jnp.float32)
-        inverse = 1.0 / scale if mismatch is None else (1.0 + mismatch) / scale
+        if mismatch is not None:
+            inverse = (1.0 + mismatch) / scale
+        elif inverse is None:
+            inverse = 1.0 / scale
         return cls(value, scale, underflow, inverse, jnp.zeros((), jnp.bool_))
 
     def mismatch(self) -> jax.Array:

@@ -102,12 +102,16 @@ def compiling_for(platform: str) -> Iterator[None]:
         _TARGET_PLATFORM.reset(token)
 
 
+def target_platform() -> str:
+    """The platform this trace compiles for: :func:`compiling_for`'s, else JAX's default backend."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
 def _cpu_lacks_bf16_dot(operands: Sequence[Any]) -> bool:
     """XLA:CPU has no bf16 × bf16 → fp32 dot outside its plain matmuls ("Unsupported element
     type for DotThunk"): there the operands are widened first, which is exact (a product of two
     bf16 values is exact in fp32; the fp32 accumulation is the same)."""
-    platform = _TARGET_PLATFORM.get() or jax.default_backend()
-    return platform == "cpu" and any(jnp.dtype(dtype_of(o)) == jnp.bfloat16 for o in operands)
+    return target_platform() == "cpu" and any(jnp.dtype(dtype_of(o)) == jnp.bfloat16 for o in operands)
 
 
 def widenable(params: dict[str, Any]) -> bool:

@@ -130,3 +130,30 @@ def test_a_cpu_trace_of_the_same_step_neither_leaks_into_nor_takes_the_gpu_progr
     gpu = gp.compile_for(fun, *args, pipeline="cublas")
     assert (gpu.kernel_bytes, gpu.kernels) == (fresh.kernel_bytes, fresh.kernels)
     jax.block_until_ready(jax.jit(fun)(*args))  # and the CPU still runs its own
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_every_statistic_of_a_cotangent_is_one_kernel_on_the_gpu(heads):
+    """max|g|, E[g²] and the two counts of a 16-bit cotangent too long for one GPU row reduction
+    (131072 entries; with ``heads`` a GEMM's output seen transposed, as attention's is) are one
+    kernel: three with the one that makes g and the decision that reads them; separate
+    reductions take three more at least (XLA splits each in two)."""
+    from jax_adaloss import reductions
+
+    def step(a, b, one_pass):
+        g = jnp.einsum("bhsd,bhtd->bsht", a, b) if heads else a * b
+        s = reductions.statistics(g, sq_mean=True, below=2.0**-14, one_pass=one_pass)
+        return jnp.sqrt(s.sq_mean) / s.absmax * s.nonzero - s.below
+    shape = (8, 4, 64, 32) if heads else (8, 64, 256)
+    args = (jnp.ones(shape, jnp.float16), jnp.ones(shape, jnp.float16))
+    assert gp.compile_for(lambda a, b: step(a, b, None), *args).kernels == 3
+    assert gp.compile_for(lambda a, b: step(a, b, False), *args).kernels >= 6
+
+
+def test_the_decisions_add_few_kernels_to_the_gradient():
+    """The bf16 MLP's gradient: adaloss's per-layer decisions (statistics, decision, hand-off,
+    gradient checks) add at most 30% to ``jax.value_and_grad``'s kernels (24 there; one kernel
+    per statistic pass and one per decision: 30)."""
+    base = _compiled().kernels
+    ada = _compiled(AdaLossConfig(grad_format="bfloat16")).kernels
+    assert ada <= 1.3 * base, (ada, base)

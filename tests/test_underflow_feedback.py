@@ -239,9 +239,9 @@ def test_nnx_optimizer_state_carries_the_lifts_the_backward_applies():
 
 
 def test_jax_backward_counts_exactly_as_count_nonzero(monkeypatch):
-    """The JAX backward's fp32 count (below 2^24 entries) and int32 count (above) give the
-    fractions ``count_nonzero`` gives, bit for bit."""
-    from jax_adaloss import backward
+    """The JAX backward's fp32 count (below 2^24 entries) and int32 count (above), separate or
+    in the one-pass reduction a GPU gets, give the fractions ``count_nonzero`` gives, bit for bit."""
+    from jax_adaloss import reductions
 
     cfg = AdaLossConfig()
     rng = np.random.default_rng(0)
@@ -250,9 +250,15 @@ def test_jax_backward_counts_exactly_as_count_nonzero(monkeypatch):
         x = jnp.asarray(np.where(rng.random(x.shape) < 0.2, 0.0, x), dtype)
         ref = solver.subnormal_fraction(x, cfg, jnp)
         assert 0 < float(ref) < 1
-        assert solver.subnormal_fraction(x, cfg, jnp, count=backward._count) == ref
-        assert backward._count(x != 0).dtype == jnp.float32
-        monkeypatch.setattr(backward, "_EXACT_F32_COUNT", 8)  # the int32 path
-        assert backward._count(x != 0).dtype == jnp.int32
-        assert solver.subnormal_fraction(x, cfg, jnp, count=backward._count) == ref
+        assert solver.subnormal_fraction(x, cfg, jnp, count=reductions.count) == ref
+        assert reductions.count(x != 0).dtype == jnp.float32
+        for one_pass in (False, True):
+            st = reductions.statistics(x, below=cfg.underflow_limit, one_pass=one_pass)
+            assert solver.subnormal_fraction_of_counts(st.nonzero, st.below, st.size, cfg, jnp) == ref
+        monkeypatch.setattr(reductions, "EXACT_F32_COUNT", 8)  # the int32 path
+        assert reductions.count(x != 0).dtype == jnp.int32
+        assert solver.subnormal_fraction(x, cfg, jnp, count=reductions.count) == ref
+        st = reductions.statistics(x, below=cfg.underflow_limit, one_pass=True)
+        assert st.below.dtype == jnp.int32
+        assert solver.subnormal_fraction_of_counts(st.nonzero, st.below, st.size, cfg, jnp) == ref
         monkeypatch.undo()
