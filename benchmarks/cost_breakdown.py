@@ -45,7 +45,7 @@ import jax_adaloss
 from adaloss import solver
 from adaloss_study.cost_tables import table
 from adaloss_study.overhead import machine
-from jax_adaloss import backward
+from jax_adaloss import backward, reductions
 
 _F32 = jnp.float32
 
@@ -55,9 +55,18 @@ def _one(x: Any) -> jax.Array:
     return jnp.abs(jnp.reshape(x, -1)[0].astype(_F32)) + _F32(1e-3)
 
 
-def _magnitude_stats(x: Any, xp: Any, with_mean: bool = False, moments: bool = True) -> solver.TensorStats:
-    return solver.TensorStats(_one(x) if moments and with_mean else None, _one(x) if moments else None,
-                              None, None, _one(x))
+def _statistics_of(xs: Any, *, absmax: bool = True, sq_mean: bool = False, mean: bool = False,
+                   nonzero: bool = False, below: float | None = None, logs: bool = False,
+                   one_pass: bool | None = None) -> list[reductions.Statistics]:
+    """Stand-in statistics: one element of each tensor; every entry non-zero, none below u_min."""
+    def stats(x: Any) -> reductions.Statistics:
+        size = int(np.prod(np.shape(x)))
+        return reductions.Statistics(
+            _one(x), _one(x) if sq_mean else None, _one(x) if mean else None,
+            _one(x) * 0 + size if nonzero or below is not None else None,
+            _one(x) * 0 if below is not None else None, size,
+            solver.LogStats(*(_one(x),) * 4) if logs else None)
+    return [stats(x) for x in xs]
 
 
 def _constant_decision(*args: Any, **kwargs: Any) -> solver.LayerScale:
@@ -67,14 +76,12 @@ def _constant_decision(*args: Any, **kwargs: Any) -> solver.LayerScale:
 #: (variant name, the patches it adds to the previous variant's)
 ABLATIONS: list[tuple[str, list[tuple[Any, str, Any]]]] = [
     ("adaloss", []),
-    ("- statistics", [(solver, "magnitude_stats", _magnitude_stats),
-                      (solver, "subnormal_fraction", lambda x, *a, **k: _one(x) * 0),
-                      (solver, "log_stats", lambda x, xp: solver.LogStats(*(_one(x),) * 4))]),
+    ("- statistics", [(reductions, "statistics_of", _statistics_of)]),
     ("- decisions", [(solver, "layer_scale", _constant_decision),
                      (solver, "cast_scale", _constant_decision)]),
     ("- merges", [(solver, "merge_scale", lambda scales, *a, **k: scales[0])]),
     ("- rescales", [(backward, "_rescale", lambda ct, factor: ct), (backward, "_stored", lambda x: x),
-                    (backward, "_settled", lambda x: x)]),
+                    (backward, "_settled", lambda x, inverses=None: x)]),
     ("- fp32 weight grads", [(backward._Sweep, "_weight_grad",
                               lambda self, node, g: node.vjp([g])[node.wgt])]),
 ]

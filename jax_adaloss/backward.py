@@ -71,6 +71,9 @@ _REMAT = ("checkpoint", "remat2")
 _SCALAR_FACTOR = ("mul", "div")
 _KEEPS_VALUE = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
                 "expand_dims", "copy", "copy_p")
+#: elementwise math whose result on known scalars is known too (:meth:`_Tape._evaluate`)
+_SCALAR_MATH = ("sqrt", "rsqrt", "exp", "log", "neg", "abs", "mul", "div", "add", "sub", "integer_pow",
+                "pow", "max", "min", "square")
 _F32 = jnp.float32
 
 
@@ -293,7 +296,22 @@ class _Tape:
             c = vals[0] if not isinstance(vals[0], jax.core.Tracer) else self.known.get(ins[0])
             if c is not None:
                 self.known[outs[0]] = float(np.asarray(c, np.float64).reshape(()))
+        elif prim.name in _SCALAR_MATH and len(outs) == 1 and np.size(out_vals[0]) == 1:
+            self._evaluate(eqn, ins, outs, vals)
         return outs
+
+    def _evaluate(self, eqn: jcore.JaxprEqn, ins: list[int], outs: list[int], vals: list[Any]) -> None:
+        """Record the value of scalar math on known scalars (attention's ``1/sqrt(d)``,
+        computed in the trace): in the value's dtype, as the program computes it."""
+        cs = []
+        for v, s in zip(vals, ins):
+            c = v if not isinstance(v, jax.core.Tracer) else self.known.get(s)
+            if c is None or np.size(c) != 1:
+                return
+            cs.append(np.asarray(c, dtype_of(v)).reshape(np.shape(v)))
+        with jax.ensure_compile_time_eval():
+            out = eqn.primitive.bind(*cs, **eqn.params)
+        self.known[outs[0]] = float(np.asarray(out, np.float64).reshape(()))
 
     def _normalizes(self, prim: str, ins: list[int], outs: list[int], out_vals: list[Any]) -> bool:
         """Track normalizers (:attr:`normalizers`); whether this equation's backward is a
@@ -610,7 +628,7 @@ class _Sweep:
         if all(p[1] is first for p in parts):
             return _sum([p[0] for p in parts]), first
         dtype = jnp.result_type(*[p[0] for p in parts])
-        absmax = [_absmax(p[0]) for p in parts]
+        absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
         if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
             target = self._settle(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
                                                      self.backoff))
@@ -1209,9 +1227,15 @@ def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
 
 def _absmax(x: Any) -> Any:
     """``max|x|`` in fp32 (:func:`jax_adaloss.reductions.statistics`: one kernel on a GPU)."""
+    return _absmaxes([x])[0]
+
+
+def _absmaxes(xs: list[Any]) -> list[Any]:
+    """``max|x|`` of each of ``xs`` in fp32 (:func:`jax_adaloss.reductions.statistics_of`: one
+    kernel for those of one shape on a GPU)."""
     if not reductions.fused():
-        return jnp.max(jnp.abs(x)).astype(_F32)  # in x's dtype, then widened: exact either way
-    return reductions.statistics(x).absmax
+        return [jnp.max(jnp.abs(x)).astype(_F32) for x in xs]  # in x's dtype, widened: exact
+    return [s.absmax for s in reductions.statistics_of(xs)]
 
 
 def _any(flags: list[Any]) -> Any:

@@ -20,6 +20,7 @@ reductions they always were, bitwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -92,22 +93,61 @@ def statistics(x: Any, *, absmax: bool = True, sq_mean: bool = False, mean: bool
     ``one_pass`` (default: :func:`fused`): one variadic reduction (see the module docstring);
     else separate ones, as :func:`adaloss.solver.magnitude_stats` and
     :func:`adaloss.solver.subnormal_fraction` compute them."""
-    size = math.prod(np.shape(x))
+    return statistics_of([x], absmax=absmax, sq_mean=sq_mean, mean=mean, nonzero=nonzero, below=below,
+                         logs=logs, one_pass=one_pass)[0]
+
+
+def statistics_of(xs: Sequence[Any], *, absmax: bool = True, sq_mean: bool = False, mean: bool = False,
+                  nonzero: bool = False, below: float | None = None, logs: bool = False,
+                  one_pass: bool | None = None) -> list[Statistics]:
+    """:func:`statistics` of each of ``xs``; in one pass, the tensors of one shape share one
+    variadic reduction (at most :data:`MAX_TENSORS` each): one kernel for all the parts of a
+    merge, or for the weights of like layers."""
     nonzero = nonzero or below is not None
-    if size == 0 or not (one_pass if one_pass is not None else fused()):
-        f = x.astype(_F32)
-        return Statistics(jnp.max(jnp.abs(f)) if absmax else None, jnp.mean(f * f) if sq_mean else None,
-                          jnp.mean(f) if mean else None, count(x != 0) if nonzero else None,
-                          count(jnp.abs(x) < below) if below is not None else None, size,
-                          solver.log_stats(x, jnp) if logs else None)
-    return _one_pass(x, absmax or logs, sq_mean, mean, nonzero, below, logs, size)
+    kw = {"absmax": absmax or logs, "sq_mean": sq_mean, "mean": mean, "nonzero": nonzero, "below": below,
+          "logs": logs}
+    if not (one_pass if one_pass is not None else fused()):
+        return [_separate(x, absmax, sq_mean, mean, nonzero, below, logs) for x in xs]
+    out: list[Statistics | None] = [None] * len(xs)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(xs):
+        if math.prod(np.shape(x)) == 0:
+            out[i] = _separate(x, absmax, sq_mean, mean, nonzero, below, logs)
+        else:
+            groups.setdefault(tuple(np.shape(x)), []).append(i)
+    for shape, members in groups.items():
+        for k in range(0, len(members), MAX_TENSORS):
+            chunk = members[k:k + MAX_TENSORS]
+            parts = [_operands(xs[i], **kw) for i in chunk]
+            results = _reduce([o for p in parts for o in p[1]], [v for p in parts for v in p[2]],
+                              [c for p in parts for c in p[3]], shape)
+            for i, (names, *_) in zip(chunk, parts):
+                out[i], results = _finish(dict(zip(names, results)), math.prod(shape)), results[len(names):]
+    return out  # type: ignore[return-value]
 
 
-def _one_pass(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
-              logs: bool, size: int) -> Statistics:
+#: the most tensors one variadic reduction reads (a kernel's parameters are finite)
+MAX_TENSORS = 32
+
+
+def _separate(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
+              logs: bool) -> Statistics:
     f = x.astype(_F32)
-    cdt = _count_dtype(size)
-    names, operands, inits, combine = [], [], [], []
+    return Statistics(jnp.max(jnp.abs(f)) if absmax else None, jnp.mean(f * f) if sq_mean else None,
+                      jnp.mean(f) if mean else None, count(x != 0) if nonzero else None,
+                      count(jnp.abs(x) < below) if below is not None else None, math.prod(np.shape(x)),
+                      solver.log_stats(x, jnp) if logs else None)
+
+
+def _operands(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
+              logs: bool) -> tuple[list[str], list[Any], list[Any], list[Any]]:
+    """The names, operands, initial values and combining ops of ``x``'s reductions."""
+    f = x.astype(_F32)
+    cdt = _count_dtype(math.prod(np.shape(x)))
+    names: list[str] = []
+    operands: list[Any] = []
+    inits: list[Any] = []
+    combine: list[Any] = []
 
     def add(name: str, operand: Any, init: Any, op: Any) -> None:
         names.append(name)
@@ -131,30 +171,39 @@ def _one_pass(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, be
         add("log_count", (a > 0).astype(cdt), cdt(0), jnp.add)
         add("log_sum", ln, _F32(0), jnp.add)
         add("log_sq_sum", ln * ln, _F32(0), jnp.add)
-    if not names:
-        return Statistics(None, None, None, None, None, size)
+    return names, operands, inits, combine
+
+
+def _reduce(operands: list[Any], inits: list[Any], combine: list[Any], shape: tuple[int, ...]) -> list[Any]:
+    """Every operand (of ``shape``) reduced to a scalar by its combining op, in one variadic
+    reduction."""
+    if not operands:
+        return []
 
     def reducer(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(op(u, v) for op, u, v in zip(combine, a, b))
 
-    view = _rows(np.shape(x))
+    view = _rows(shape)
     if view is None:  # one variadic reduction of everything: XLA splits it in two kernels
-        out = lax.reduce(tuple(operands), tuple(inits), reducer, tuple(range(np.ndim(x))))
-    else:  # the partial results combined elementwise: they fuse into whatever reads them
-        flat = [jnp.reshape(o, view) for o in operands]
-        partials = lax.reduce(tuple(flat), tuple(inits), reducer, tuple(range(1, len(view))))
-        out = []
-        for op, p in zip(combine, partials):
-            acc = p[0]
-            for i in range(1, view[0]):
-                acc = op(acc, p[i])
-            out.append(acc)
-    got = dict(zip(names, out))
+        return list(lax.reduce(tuple(operands), tuple(inits), reducer, tuple(range(len(shape)))))
+    # the partial results combined elementwise: they fuse into whatever reads them
+    flat = [jnp.reshape(o, view) for o in operands]
+    partials = lax.reduce(tuple(flat), tuple(inits), reducer, tuple(range(1, len(view))))
+    out = []
+    for op, p in zip(combine, partials):
+        acc = p[0]
+        for i in range(1, view[0]):
+            acc = op(acc, p[i])
+        out.append(acc)
+    return out
+
+
+def _finish(got: dict[str, Any], size: int) -> Statistics:
     for name in ("sq_mean", "mean"):  # sums to means, as jnp.mean divides
         if name in got:
             got[name] = got[name] / _F32(size)
     ls = None
-    if logs:
+    if "log_sum" in got:
         ls = solver.log_stats_of_sums(got["log_count"], got["log_sum"], got["log_sq_sum"], got["absmax"], jnp)
     return Statistics(got.get("absmax"), got.get("sq_mean"), got.get("mean"), got.get("nonzero"),
                       got.get("below"), size, ls)

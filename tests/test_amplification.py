@@ -97,7 +97,10 @@ def test_a_factor_at_most_one_adds_no_decision():
     with_half = count(loss)
     without = count(lambda p, x, y: LOSS_FACTOR * xent(cls().apply(p, x), y))
     times_thirty = count(lambda p, x, y: LOSS_FACTOR * xent(cls().apply(p, x) * 30.0, y))
-    assert with_half == without < times_thirty
+    def by_root(c):  # flax attention's form: a divisor computed in the trace from a constant
+        return lambda p, x, y: LOSS_FACTOR * xent(cls().apply(p, x) / jnp.sqrt(c).astype(jnp.float16), y)
+    by_root, into_root = count(by_root(32.0)), count(by_root(1 / 900.0))  # ÷√32; ×30
+    assert with_half == without == by_root < times_thirty == into_root
 
 
 def test_torch_plans_a_factor_node_only_where_the_factor_can_amplify():
