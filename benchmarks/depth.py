@@ -122,14 +122,16 @@ def _time(runs: dict[str, Any], repeats: int, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rounds.items()}
 
 
-def _train_steps(loss: Any, params: Any, x: jax.Array, y: jax.Array, runs: dict[str, Any]
-                 ) -> dict[str, Any]:
-    """Compile the two training steps; add their timed runs to ``runs``."""
-    ada_tx = optax.chain(jax_adaloss.adaloss(), optax.adam(1e-4))
+def train_steps(loss: Any, params: Any, config: Any = None) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """The two training steps (gradient, unscaling, non-finite skip, Adam) and their state
+    arguments (the batch ``x, y`` follows them): ``"adaloss"`` (``adaloss()`` chained with
+    ``optax.adam``, ``config`` for both) and ``"dynamic"`` (``jmp.DynamicLossScale`` with
+    GradScaler's defaults around ``jax.value_and_grad`` and the same Adam)."""
+    ada_tx = optax.chain(jax_adaloss.adaloss(config), optax.adam(1e-4))
     adam = optax.adam(1e-4)
 
     def ada_step(p: Any, s: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array]:
-        value, grads = jax_adaloss.value_and_grad(loss)(p, x, y, adaloss_state=s)
+        value, grads = jax_adaloss.value_and_grad(loss, config=config)(p, x, y, adaloss_state=s)
         updates, s = ada_tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, value
 
@@ -145,12 +147,21 @@ def _train_steps(loss: Any, params: Any, x: jax.Array, y: jax.Array, runs: dict[
         ls = ls.adjust(finite)
         return p, s, (ls.loss_scale, ls.counter), value
 
-    ada_train, ada_tc = _compile(ada_step, params, ada_tx.init(params), x, y)
     ls0 = jmp.DynamicLossScale(jnp.float32(2.0**16))
-    dyn_state = (params, adam.init(params), (ls0.loss_scale, ls0.counter))
+    return {"adaloss": (ada_step, (params, ada_tx.init(params))),
+            "dynamic": (dyn_step, (params, adam.init(params), (ls0.loss_scale, ls0.counter)))}
+
+
+def _train_steps(loss: Any, params: Any, x: jax.Array, y: jax.Array, runs: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """Compile the two training steps; add their timed runs to ``runs``."""
+    steps = train_steps(loss, params)
+    ada_step, (_, ada_state) = steps["adaloss"]
+    dyn_step, dyn_state = steps["dynamic"]
+    ada_train, ada_tc = _compile(ada_step, params, ada_state, x, y)
     dyn_train, dyn_tc = _compile(dyn_step, *dyn_state, x, y)
 
-    state = {"ada": (params, ada_tx.init(params)), "dyn": dyn_state}
+    state = {"ada": (params, ada_state), "dyn": dyn_state}
 
     def run_ada() -> None:
         p, s, v = ada_train(*state["ada"], x, y)

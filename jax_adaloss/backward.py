@@ -941,7 +941,7 @@ class _Sweep:
     def _fit_current(self, g: Any, incoming: Any) -> tuple[Any, Any]:
         """Per-tensor current scaling where no decision fitted ``incoming`` to the fp8 format
         (:func:`adaloss.solver.fp8_fit_scale`): ``g`` rescaled and the scale it then carries."""
-        fit = solver.fp8_fit_scale(self.config, jnp.max(jnp.abs(g)).astype(_F32), incoming, jnp,
+        fit = solver.fp8_fit_scale(self.config, _absmax(g), incoming, jnp,
                                    self.backoff)
         r = self._settle(fit.scale)
         g, incoming = _rescale(g, r), self._settle(incoming * r)
@@ -959,10 +959,20 @@ class _Sweep:
         cfg = self.config
         q = jax.lax.optimization_barrier(solver.to_fp8(g, self.tape.grad_dtype, cfg.overflow_limit, jnp))
         gq = q.astype(jnp.result_type(g))  # exact: every fp8 value is a 16-bit one
-        q_ext = solver.magnitude_stats(gq, jnp, moments=False)
         fractions = None
-        if self.reporting or (cfg.underflow_feedback and behind):
-            fractions = solver.quantized_fractions(g, q, cfg, jnp)
+        counted = self.reporting or (cfg.underflow_feedback and behind)
+        if reductions.fused():  # one pass over q (and E[q²] for the decision), one over g
+            qs = reductions.statistics(gq, sq_mean=True, below=cfg.underflow_limit)
+            q_ext = qs.magnitude()
+            if counted:
+                gs = reductions.statistics(g, absmax=False, nonzero=True, above=cfg.overflow_limit)
+                f32 = [jnp.asarray(c, _F32) for c in (gs.nonzero, qs.nonzero, qs.below, gs.above)]
+                held = f32[2] - (qs.size - f32[1])
+                fractions = solver.fractions_of_counts(f32[0], f32[1], held, f32[3], jnp)
+        else:
+            q_ext = solver.magnitude_stats(gq, jnp, moments=False)
+            if counted:
+                fractions = solver.quantized_fractions(g, q, cfg, jnp)
         if cfg.underflow_feedback and behind:
             signal = solver.fp8_signal(cfg, *fractions, solver.absmax(q_ext, jnp), jax.scipy.special.erfinv,
                                        jnp)
@@ -991,22 +1001,24 @@ class _Sweep:
             return
         weight = node.weight
 
+        modelled = cfg.fp8_rule != "current" and cfg.layer_rule
+        ws = reductions.statistics(weight, sq_mean=modelled).magnitude()
+
         def fresh() -> tuple[Any, Any]:
-            sigma = solver.output_sigma(solver.magnitude_stats(gq, jnp), solver.magnitude_stats(weight, jnp),
-                                        node.fan_in, jnp,
+            gs = q_ext if q_ext.sq_mean is not None else solver.magnitude_stats(gq, jnp)
+            sigma = solver.output_sigma(gs, ws, node.fan_in, jnp,
                                         solver.worst_row_sq_mean(gq, node.feature_axes, jnp))
             return solver.fp8_model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
 
         # "current": the next cast fits its own tensor; no layer_rule: one global scale, the loss
         # cotangent's (the cast-only ablation); the caps still hold
-        if cfg.fp8_rule == "current" or not cfg.layer_rule:
+        if not modelled:
             s_model, sigma = jnp.ones((), _F32), jnp.zeros((), _F32)
         else:
             s_model, sigma = self._statistical(node.name, fresh)
         carrier_max = float(jnp.finfo(jnp.result_type(g)).max)
-        d = solver.fp8_layer_scale(cfg, q_ext, solver.magnitude_stats(weight, jnp, moments=False),
-                                   node.fan_in, incoming, carrier_max, jnp, cached_model_scale=s_model,
-                                   cached_sigma=sigma, backoff=self.backoff)
+        d = solver.fp8_layer_scale(cfg, q_ext, ws, node.fan_in, incoming, carrier_max, jnp,
+                                   cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
         scale, outgoing = self._settle((d.scale, incoming * d.scale))
         d = d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))

@@ -86,6 +86,7 @@ class GpuProgram:
         that writes the tensor).
       bytes_accessed: XLA's generic cost analysis of the optimized module (it counts a fused
         operand once per use inside the fusion, and no kernel boundaries).
+      flops: the same analysis's floating-point operations (a loop body once).
       temp_bytes: the executable's temporary allocation.
       compile_s: seconds to lower and compile.
       text: the optimized HLO.
@@ -101,6 +102,7 @@ class GpuProgram:
     kernel_bytes_run: int
     second_passes: dict[str, int]
     bytes_accessed: float
+    flops: float
     temp_bytes: int
     compile_s: float
     text: str = dataclasses.field(repr=False)
@@ -142,19 +144,21 @@ def compile_for(fun: Callable[..., Any], *args: Any, target: str = "h100",
     seconds = time.perf_counter() - start
     text = compiled.as_text()
     counts = read_hlo(text)
-    return GpuProgram(**counts, bytes_accessed=_bytes_accessed(compiled),
+    bytes_accessed, flops = _cost(compiled)
+    return GpuProgram(**counts, bytes_accessed=bytes_accessed, flops=flops,
                       temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
                       compile_s=seconds, text=text)
 
 
-def _bytes_accessed(compiled: Any) -> float:
-    """XLA's generic cost analysis on the GPU-optimized module (``cost_analysis()`` is not
-    implemented for a GPU target; this is what it computes on CPU programs)."""
+def _cost(compiled: Any) -> tuple[float, float]:
+    """Bytes accessed and flops from XLA's generic cost analysis of the GPU-optimized module
+    (``cost_analysis()`` is not implemented for a GPU target; this is what it computes on CPU
+    programs)."""
     import jax
     from jax._src.lib import _jax
     module = compiled.runtime_executable().hlo_modules()[0]
     cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
-    return float(cost.get("bytes accessed", 0.0))
+    return float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
 
 
 def jaxpr_casts(fun: Callable[..., Any], *args: Any) -> dict[str, int]:

@@ -51,6 +51,7 @@ class Statistics(NamedTuple):
       mean: ``E[x]``.
       nonzero: entries ``≠ 0`` (exact: fp32 below :data:`EXACT_F32_COUNT` entries, else int32).
       below: entries with ``|x| < below`` in ``x``'s own dtype, zeros included (exact, the same).
+      above: entries with ``|x| > above`` (an inf too; in fp32: exact for a 16-bit ``x``).
       size: the number of entries (a Python int).
       logs: :func:`adaloss.solver.log_stats` (its ``absmax`` too).
     """
@@ -62,6 +63,7 @@ class Statistics(NamedTuple):
     below: Any
     size: int
     logs: solver.LogStats | None = None
+    above: Any = None
 
     def magnitude(self) -> solver.TensorStats:
         """The :class:`adaloss.solver.TensorStats` of :func:`adaloss.solver.magnitude_stats`."""
@@ -86,7 +88,7 @@ def fused() -> bool:
 
 def statistics(x: Any, *, absmax: bool = True, sq_mean: bool = False, mean: bool = False,
                nonzero: bool = False, below: float | None = None, logs: bool = False,
-               one_pass: bool | None = None) -> Statistics:
+               above: float | None = None, one_pass: bool | None = None) -> Statistics:
     """The asked-for reductions of ``x`` (``below``: count ``|x| < below``; ``logs``: the
     statistics of ``ln|x|``).
 
@@ -94,25 +96,25 @@ def statistics(x: Any, *, absmax: bool = True, sq_mean: bool = False, mean: bool
     else separate ones, as :func:`adaloss.solver.magnitude_stats` and
     :func:`adaloss.solver.subnormal_fraction` compute them."""
     return statistics_of([x], absmax=absmax, sq_mean=sq_mean, mean=mean, nonzero=nonzero, below=below,
-                         logs=logs, one_pass=one_pass)[0]
+                         logs=logs, above=above, one_pass=one_pass)[0]
 
 
 def statistics_of(xs: Sequence[Any], *, absmax: bool = True, sq_mean: bool = False, mean: bool = False,
                   nonzero: bool = False, below: float | None = None, logs: bool = False,
-                  one_pass: bool | None = None) -> list[Statistics]:
+                  above: float | None = None, one_pass: bool | None = None) -> list[Statistics]:
     """:func:`statistics` of each of ``xs``; in one pass, the tensors of one shape share one
     variadic reduction (at most :data:`MAX_TENSORS` each): one kernel for all the parts of a
     merge, or for the weights of like layers."""
     nonzero = nonzero or below is not None
     kw = {"absmax": absmax or logs, "sq_mean": sq_mean, "mean": mean, "nonzero": nonzero, "below": below,
-          "logs": logs}
+          "logs": logs, "above": above}
     if not (one_pass if one_pass is not None else fused()):
-        return [_separate(x, absmax, sq_mean, mean, nonzero, below, logs) for x in xs]
+        return [_separate(x, **kw) for x in xs]
     out: list[Statistics | None] = [None] * len(xs)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, x in enumerate(xs):
         if math.prod(np.shape(x)) == 0:
-            out[i] = _separate(x, absmax, sq_mean, mean, nonzero, below, logs)
+            out[i] = _separate(x, **kw)
         else:
             groups.setdefault(tuple(np.shape(x)), []).append(i)
     for shape, members in groups.items():
@@ -131,16 +133,17 @@ MAX_TENSORS = 32
 
 
 def _separate(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
-              logs: bool) -> Statistics:
+              logs: bool, above: float | None) -> Statistics:
     f = x.astype(_F32)
     return Statistics(jnp.max(jnp.abs(f)) if absmax else None, jnp.mean(f * f) if sq_mean else None,
                       jnp.mean(f) if mean else None, count(x != 0) if nonzero else None,
                       count(jnp.abs(x) < below) if below is not None else None, math.prod(np.shape(x)),
-                      solver.log_stats(x, jnp) if logs else None)
+                      solver.log_stats(x, jnp) if logs else None,
+                      count(jnp.abs(f) > above) if above is not None else None)
 
 
 def _operands(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
-              logs: bool) -> tuple[list[str], list[Any], list[Any], list[Any]]:
+              logs: bool, above: float | None) -> tuple[list[str], list[Any], list[Any], list[Any]]:
     """The names, operands, initial values and combining ops of ``x``'s reductions."""
     f = x.astype(_F32)
     cdt = _count_dtype(math.prod(np.shape(x)))
@@ -165,6 +168,8 @@ def _operands(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, be
         add("nonzero", (x != 0).astype(cdt), cdt(0), jnp.add)
     if below is not None:
         add("below", (jnp.abs(x) < below).astype(cdt), cdt(0), jnp.add)
+    if above is not None:
+        add("above", (jnp.abs(f) > above).astype(cdt), cdt(0), jnp.add)
     if logs:  # as solver.log_stats counts them: |x| > 0 in fp32
         a = jnp.abs(f)
         ln = solver.log_magnitudes(a, a > 0, jnp)
@@ -206,7 +211,7 @@ def _finish(got: dict[str, Any], size: int) -> Statistics:
     if "log_sum" in got:
         ls = solver.log_stats_of_sums(got["log_count"], got["log_sum"], got["log_sq_sum"], got["absmax"], jnp)
     return Statistics(got.get("absmax"), got.get("sq_mean"), got.get("mean"), got.get("nonzero"),
-                      got.get("below"), size, ls)
+                      got.get("below"), size, ls, got.get("above"))
 
 
 def _rows(shape: tuple[int, ...]) -> tuple[int, ...] | None:
