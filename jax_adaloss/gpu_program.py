@@ -229,8 +229,9 @@ def read_hlo(text: str) -> dict[str, Any]:
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
             operand_types = [types[comp].get(o, "") for o in operands]
             gemm = _is_gemm(op, rest)
-            moved = sum(_array_bytes(shapes.get(o, "")) for o in operands) + _array_bytes(
-                shapes[name], workspace=gemm and op == "custom-call")
+            called = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
+            moved = _moved(comps, shapes, operands, name, called.group(1) if called else None,
+                           workspace=gemm and op == "custom-call")
             kernel_bytes += moved
             counts = own.setdefault(comp, [0, 0])
             counts[0] += 1
@@ -248,6 +249,62 @@ def read_hlo(text: str) -> dict[str, Any]:
     return {"converts": converts, "gemms": gemms, "gemms_reading_fp8": reading, "fp8_gemms": fp8,
             "kernels": kernels, "kernel_bytes": kernel_bytes, "kernels_run": run[0],
             "kernel_bytes_run": run[1], "second_passes": _second_passes(comps, fused, shapes)}
+
+
+def _moved(comps: dict[str, list[tuple[str, str, str, str]]], shapes: dict[str, str], operands: list[str],
+           name: str, fused: str | None, workspace: bool) -> int:
+    """The bytes a kernel reads and writes: each operand and result once, but an operand a
+    fusion reads only through ``dynamic-slice`` counts the slices, and one it updates in place
+    (``dynamic-update-slice``, the loop buffers of a scan) the update written, not the buffer."""
+    whole = [_array_bytes(shapes.get(o, "")) for o in operands]
+    out = _array_bytes(shapes[name], workspace=workspace)
+    if fused is None:
+        return sum(whole) + out
+    instrs = comps.get(fused, [])
+    params: dict[str, int] = {}
+    source: dict[str, str] = {}  # an instruction -> what it bitcasts, transitively
+    for n, _, op, rest in instrs:
+        args = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        if op == "parameter":
+            params[n] = int(re.match(r"(\d+)", rest).group(1))
+        elif op == "bitcast" and args:
+            source[n] = source.get(args[0], args[0])
+    sliced: dict[int, int] = {}  # parameter index -> bytes read through dynamic slices
+    other: set[int] = set()  # parameters read whole
+    in_place: dict[str, int] = {}  # a dynamic-update-slice -> the bytes it writes
+    for n, _, op, rest in instrs:
+        args = [source.get(a, a) for a in re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])]
+        if op in ("parameter", "bitcast"):
+            continue
+        for k, a in enumerate(args):
+            if a not in params:
+                continue
+            i = params[a]
+            if op == "dynamic-slice" and k == 0:
+                sliced[i] = sliced.get(i, 0) + _array_bytes(shapes.get(n, ""))
+            elif op == "dynamic-update-slice" and k == 0:
+                in_place[n] = _array_bytes(shapes.get(args[1], "")) if len(args) > 1 else 0
+            else:
+                other.add(i)
+    read = sum(b if i in other or (i not in sliced and not _updated(i, params, instrs, source)) else
+               sliced.get(i, 0) for i, b in enumerate(whole))
+    root = next((x for x in instrs if x[0] in in_place), None) if in_place else None
+    if root is None:
+        return read + out
+    # results written in place: the updates, for the rest of the result the arrays as they are
+    written = out - sum(_array_bytes(shapes.get(n, "")) for n in in_place) + sum(in_place.values())
+    return read + max(written, 0)
+
+
+def _updated(i: int, params: dict[str, int], instrs: list[tuple[str, str, str, str]],
+             source: dict[str, str]) -> bool:
+    """Whether fusion parameter ``i`` is the buffer of a dynamic-update-slice (updated in place)."""
+    names = {n for n, j in params.items() if j == i}
+    for _, _, op, rest in instrs:
+        args = [source.get(a, a) for a in re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])]
+        if op == "dynamic-update-slice" and args and args[0] in names:
+            return True
+    return False
 
 
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')

@@ -157,3 +157,17 @@ def test_the_decisions_add_few_kernels_to_the_gradient():
     base = _compiled().kernels
     ada = _compiled(AdaLossConfig(grad_format="bfloat16")).kernels
     assert ada <= 1.3 * base, (ada, base)
+
+
+def test_a_loop_counts_its_body_per_iteration_and_the_slices_it_moves():
+    """A scan's body runs once per iteration (its known trip count), and a kernel that reads a
+    slice of the loop's stacked input or writes one into its stacked output in place moves the
+    slice, not the buffer: about the two buffers' bytes in all, not trips × buffers."""
+    xs = jnp.ones((64, 4096), jnp.float32)
+
+    def f(xs):
+        return jax.lax.scan(lambda c, x: (c + x, jnp.sin(c) * x), jnp.zeros(4096, jnp.float32), xs)
+    prog = gp.compile_for(f, xs)
+    buffers = 2 * xs.nbytes
+    assert prog.kernels_run >= 64 > prog.kernels
+    assert buffers <= prog.kernel_bytes_run <= 4 * buffers, (prog.kernel_bytes_run, buffers)
