@@ -78,8 +78,9 @@ class GpuProgram:
       kernel_bytes: the bytes those kernels move if each reads its operands and writes its
         results once (cuBLAS workspaces left out): the memory traffic of the program as
         launched.
-      kernels_run, kernel_bytes_run: the same for one run of the program: a loop's body
-        counted once per iteration (its known trip count).
+      kernels_run: the kernels one run of the program launches: a loop's body counted once
+        per iteration (its known trip count).
+      kernel_bytes_run: the bytes those move.
       second_passes: ``{"f8e4m3fn": n, "f8e5m2": n}``, the kernels casting a tensor to that
         format whose scale needed another kernel to read the tensor first, other than
         through a GEMM (per-tensor current scaling where the reduction cannot join the kernel
