@@ -631,7 +631,7 @@ class _Sweep:
         absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
         if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
             target = self._settle(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
-                                                     self.backoff))
+                                                         self.backoff))
         else:
             target = self._settle(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
         self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
@@ -733,8 +733,7 @@ class _Sweep:
         """:func:`adaloss.solver.amplified_scale` before a scalar factor's transpose: the
         cotangent (and its scale) lowered by the power of two that keeps ``factor·s·g`` finite."""
         g = cts[0]
-        r = solver.amplified_scale(self.config, _absmax(g), factor, jnp,
-                                   self.backoff)
+        r = solver.amplified_scale(self.config, _absmax(g), factor, jnp, self.backoff)
         target = self._settle(scale * r)
         self._decided(target, self._decided_by(scale))
         self._fit(target, self._is_fitted(scale))
@@ -857,8 +856,8 @@ class _Sweep:
         absmax = jnp.max(jnp.abs(ct.astype(_F32)).reshape(n, -1), axis=1)
         if self.config.fp8:
             target = self._settle(solver.fp8_merge_scale(self.config, [scales[k] for k in range(n)],
-                                                     [absmax[k] for k in range(n)], jnp, self.backoff,
-                                                     summed=False))
+                                                         [absmax[k] for k in range(n)], jnp, self.backoff,
+                                                         summed=False))
         else:
             target = self._settle(solver.merge_scale([scales[k] for k in range(n)],
                                                      [absmax[k] for k in range(n)],

@@ -35,8 +35,8 @@ _F32 = jnp.float32
 #: XLA:GPU reduces a row of at most this many entries in one kernel (its race-free bound for
 #: row reductions); a longer one it splits into two
 GPU_ROW_LIMIT = 16384
-#: at most this many partial results are combined elementwise (in the consumer's kernel);
-#: more take one more (small) reduction
+#: at most this many partial results are combined elementwise (in the consumer's kernel); a
+#: tensor that would need more is reduced whole (XLA's two kernels)
 MAX_PARTIALS = 64
 #: below this many entries, a sum of fp32 0/1 values is exact in any order
 EXACT_F32_COUNT = 2**24
