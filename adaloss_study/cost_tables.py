@@ -46,3 +46,52 @@ def section(result: dict[str, Any]) -> list[str]:
             f"`jax.value_and_grad`; least of {a['compiles']} compilations, median of {a['repeats']} "
             f"alternating rounds of {a['steps']} calls. `{result.get('machine', '')}`, "
             f"{result.get('date', '')}.", "", table(result["rows"]), ""]
+
+
+def gpu_table(payload: dict[str, Any]) -> str:
+    """Markdown: adaloss against its baseline per (gradients, layout, blocks, program) of
+    ``benchmarks/gpu_cost.py``'s JSON."""
+    rows = payload["rows"]
+
+    def get(r: dict[str, Any], method: str) -> dict[str, Any]:
+        keys = ("config", "layout", "blocks", "program")
+        return next(x for x in rows if x["method"] == method and all(x[k] == r[k] for k in keys))
+
+    def pair(a: float, b: float, fmt: str) -> str:
+        return f"{a / b:.2f}× ({a:{fmt}} vs {b:{fmt}})"
+    lines = ["| gradients | layout | blocks | program | kernels | MB moved | compile (s) | est. H100 (ms) "
+             "| est. H200 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["method"] != "adaloss":
+            continue
+        b = get(r, "baseline")
+        lines.append(f"| {r['config']} | {r['layout']} | {r['blocks']} | {r['program']} | "
+                     f"{pair(r['kernels_run'], b['kernels_run'], 'd')} | "
+                     f"{pair(r['kernel_bytes_run'] / 1e6, b['kernel_bytes_run'] / 1e6, '.0f')} | "
+                     f"{pair(r['compile_s'], b['compile_s'], '.1f')} | "
+                     f"{pair(r['estimate_ms']['h100'], b['estimate_ms']['h100'], '.2f')} | "
+                     f"{pair(r['estimate_ms']['h200'], b['estimate_ms']['h200'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def gpu_section(payload: dict[str, Any]) -> list[str]:
+    """The results page's section of ``benchmarks/gpu_cost.py`` (the GPU program, no device)."""
+    est = payload["estimate"]
+    return ["## On a GPU: the compiled program", "",
+            f"```\n{payload['command']}\n```", "",
+            "No GPU has run these steps. XLA:GPU compiles them on this machine for an H100 target "
+            "(`jax_adaloss.gpu_program`), and the optimized program says what a device would launch: "
+            "kernels (fusions and library calls) and the bytes they move. Each layer decision reads its "
+            "cotangent in one kernel (every statistic in one variadic reduction) and decides in a "
+            "second; a merge of branches that carry different scales reads them in one and decides in "
+            "another before the sum is written. At these sizes a step is launch-bound, so the "
+            "estimated step time follows the kernel count.", "",
+            f"jax {payload['jax']}, {payload['model']}, compiled for an H100 (default flags; nothing "
+            "ran). Kernels and MB: what one run launches and moves (each kernel reading its operands "
+            "and writing its results once, the slice of a loop's buffer it reads or updates in place; "
+            "a scanned body once per iteration). **Estimated** step time: MB ÷ bandwidth + flops ÷ "
+            f"16-bit peak + kernels × {est['h100']['launch'] * 1e6:.0f} µs (H100 "
+            f"{est['h100']['bandwidth'] / 1e12:.2f} TB/s, H200 {est['h200']['bandwidth'] / 1e12:.1f} TB/s, "
+            f"{est['h100']['peak'] / 1e12:.0f} TFLOP/s). Baselines: the gradient against "
+            "`jax.value_and_grad`, the training step against `jmp.DynamicLossScale`. "
+            f"{payload.get('date', '')}.", "", gpu_table(payload), ""]

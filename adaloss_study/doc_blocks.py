@@ -292,44 +292,6 @@ def gpu_program(docs: Path) -> str:
     return "\n".join(lines)
 
 
-def gpu_cost(docs: Path) -> str:
-    """The backward's cost on the GPU program, H100 target, no device (``docs/gpu_cost.json``,
-    written by ``python benchmarks/gpu_cost.py``): kernels, bytes, compile and the estimated
-    step time, adaloss against its baseline."""
-    payload = _json(docs, "gpu_cost.json")
-    rows = payload["rows"]
-
-    def get(r: dict[str, Any], method: str) -> dict[str, Any]:
-        keys = ("config", "layout", "blocks", "program")
-        return next(x for x in rows if x["method"] == method and all(x[k] == r[k] for k in keys))
-
-    def pair(a: float, b: float, fmt: str) -> str:
-        return f"{a / b:.2f}× ({a:{fmt}} vs {b:{fmt}})"
-    est = payload["estimate"]
-    lines = [f"`{payload['command']}`, jax {payload['jax']}, {payload['model']}, compiled for an H100 "
-             "(default flags; nothing ran). Kernels and MB: what one run launches and moves (each kernel "
-             "reading its operands and writing its results once, the slice of a loop's buffer it reads "
-             "or updates in place; a scanned body once per iteration). "
-             "**Estimated** step time: MB ÷ bandwidth + flops ÷ 16-bit peak + kernels × "
-             f"{est['h100']['launch'] * 1e6:.0f} µs (H100 {est['h100']['bandwidth'] / 1e12:.2f} TB/s, "
-             f"H200 {est['h200']['bandwidth'] / 1e12:.1f} TB/s, {est['h100']['peak'] / 1e12:.0f} TFLOP/s). "
-             "Baselines: the gradient against `jax.value_and_grad`, the training step against "
-             "`jmp.DynamicLossScale`.", "",
-             "| gradients | layout | blocks | program | kernels | MB moved | compile (s) | est. H100 (ms) "
-             "| est. H200 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["method"] != "adaloss":
-            continue
-        b = get(r, "baseline")
-        lines.append(f"| {r['config']} | {r['layout']} | {r['blocks']} | {r['program']} | "
-                     f"{pair(r['kernels_run'], b['kernels_run'], 'd')} | "
-                     f"{pair(r['kernel_bytes_run'] / 1e6, b['kernel_bytes_run'] / 1e6, '.0f')} | "
-                     f"{pair(r['compile_s'], b['compile_s'], '.1f')} | "
-                     f"{pair(r['estimate_ms']['h100'], b['estimate_ms']['h100'], '.2f')} | "
-                     f"{pair(r['estimate_ms']['h200'], b['estimate_ms']['h200'], '.2f')} |")
-    return "\n".join(lines)
-
-
 def gpu_cost_summary(docs: Path) -> list[str]:
     """The default's GPU-program rows in a line each, for the does-it-help page."""
     table = _json(docs, "gpu_cost.json")["ratios"]
@@ -380,7 +342,6 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "fp8": fp8,
     "gpu-program": gpu_program,
     "fp8-depth": fp8_depth,
-    "gpu-cost": gpu_cost,
     "torch-fp8": torch_fp8,
 }
 

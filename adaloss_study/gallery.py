@@ -204,6 +204,7 @@ def write_results(out: Path, run: Callable[[list[str]], dict[str, Any]],
     from adaloss_study import cost_tables, depth_tables, parallel_tables
     parts += _benchmark(out / "depth.json", depth_tables.section)
     parts += _benchmark(out / "cost_breakdown.json", cost_tables.section)
+    parts += _benchmark(out / "gpu_cost.json", cost_tables.gpu_section)
     parts += _benchmark(out / "data_parallel.json", parallel_tables.section)
     path = out / "results.md"
     path.write_text("\n".join(parts))

@@ -57,15 +57,16 @@ def _one(x: Any) -> jax.Array:
 
 def _statistics_of(xs: Any, *, absmax: bool = True, sq_mean: bool = False, mean: bool = False,
                    nonzero: bool = False, below: float | None = None, logs: bool = False,
-                   one_pass: bool | None = None) -> list[reductions.Statistics]:
-    """Stand-in statistics: one element of each tensor; every entry non-zero, none below u_min."""
+                   above: float | None = None, one_pass: bool | None = None) -> list[reductions.Statistics]:
+    """Stand-in statistics: one element of each tensor; every entry non-zero, none below u_min
+    or above a limit."""
     def stats(x: Any) -> reductions.Statistics:
         size = int(np.prod(np.shape(x)))
         return reductions.Statistics(
             _one(x), _one(x) if sq_mean else None, _one(x) if mean else None,
             _one(x) * 0 + size if nonzero or below is not None else None,
             _one(x) * 0 if below is not None else None, size,
-            solver.LogStats(*(_one(x),) * 4) if logs else None)
+            solver.LogStats(*(_one(x),) * 4) if logs else None, _one(x) * 0 if above is not None else None)
     return [stats(x) for x in xs]
 
 
