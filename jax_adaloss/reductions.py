@@ -134,12 +134,12 @@ MAX_TENSORS = 32
 
 def _separate(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
               logs: bool, above: float | None) -> Statistics:
-    f = x.astype(_F32)
-    return Statistics(jnp.max(jnp.abs(f)) if absmax else None, jnp.mean(f * f) if sq_mean else None,
-                      jnp.mean(f) if mean else None, count(x != 0) if nonzero else None,
+    m = solver.magnitude_stats(x, jnp, with_mean=mean, moments=sq_mean or mean)  # the solver's own
+    return Statistics(m.absmax if absmax else None, m.sq_mean if sq_mean else None,
+                      m.mean if mean else None, count(x != 0) if nonzero else None,
                       count(jnp.abs(x) < below) if below is not None else None, math.prod(np.shape(x)),
                       solver.log_stats(x, jnp) if logs else None,
-                      count(jnp.abs(f) > above) if above is not None else None)
+                      count(jnp.abs(x.astype(_F32)) > above) if above is not None else None)
 
 
 def _operands(x: Any, absmax: bool, sq_mean: bool, mean: bool, nonzero: bool, below: float | None,
