@@ -262,3 +262,37 @@ def test_jax_backward_counts_exactly_as_count_nonzero(monkeypatch):
         assert st.below.dtype == jnp.int32
         assert solver.subnormal_fraction_of_counts(st.nonzero, st.below, st.size, cfg, jnp) == ref
         monkeypatch.undo()
+
+
+def test_torch_cpu_counts_and_log_moments_are_the_comparisons_and_the_masked_log():
+    """A CPU backward counts with fp32 sums from one widened copy (``host``) and takes ln|g| in
+    place: the same counts as ``count_nonzero`` of the comparisons (zeros, subnormals, ±inf, NaN,
+    entries at u_min exactly), the same statistics as ``tensor_stats``, and log-moments equal to
+    the solver's over the non-zero entries."""
+    from torch_bridge import hooks
+
+    cfg = AdaLossConfig()
+    lim = cfg.underflow_limit
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((129, 65)) * 2.0 ** rng.integers(-30, 4, (129, 65))
+    x = np.where(rng.random(x.shape) < 0.2, 0.0, x)
+    x.flat[:6] = [lim, -lim, np.nextafter(lim, 0), np.inf, -np.inf, np.nan]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        g = torch.tensor(x, dtype=torch.float32).to(dtype)
+        want = (torch.count_nonzero(g), torch.count_nonzero(g.abs() < lim))
+        assert 0 < int(want[1]) - (g.numel() - int(want[0])) < int(want[0])
+        for with_mean in (False, True):
+            stats, counts = hooks.cotangent_stats(g, with_mean, lim, host=True)
+            ref = hooks.tensor_stats(g, with_mean)
+            for got, exp in zip((*stats, *counts), (*ref, *want)):
+                if exp is None:
+                    assert got is None
+                else:  # bit for bit (NaN where the reference is NaN)
+                    torch.testing.assert_close(torch.as_tensor(got).double(), torch.as_tensor(exp).double(),
+                                               rtol=0, atol=0, equal_nan=True)
+        assert [float(c) for c in hooks.subnormal_counts(g, lim, host=True)] == [float(c) for c in want]
+        finite = torch.where(g.isfinite(), g, torch.zeros((), dtype=dtype)).float()  # a cast's fp32 g
+        ls = hooks.log_stats(finite)
+        exp = solver.log_stats(finite.numpy(), np_xp)
+        for got, e in zip(ls, exp):
+            assert float(got) == pytest.approx(float(e), rel=1e-5)

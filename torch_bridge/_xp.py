@@ -49,9 +49,17 @@ def _np_to_torch(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.asarray(x, dtype=np.float32))
 
 
+def _torch_to_np(t: torch.Tensor) -> Any:
+    """A CPU tensor's value for NumPy; a 0-d fp32 one (most of them) through ``tolist`` (exact:
+    a Python float holds any fp32 value), which dispatches no aten op (``.numpy()`` a ``detach``)."""
+    if t.dim() == 0 and t.dtype == torch.float32:
+        return np.float32(t.tolist())
+    return t.numpy()
+
+
 _IDENTITY = lambda x: x  # noqa: E731
 ON_TENSORS = ScalarMath(xp, _IDENTITY, _IDENTITY)
-ON_HOST = ScalarMath(np_xp, lambda t: t.numpy(), _np_to_torch)
+ON_HOST = ScalarMath(np_xp, _torch_to_np, _np_to_torch)
 
 
 def scalar_math(g: torch.Tensor, host_math: bool = True) -> ScalarMath:

@@ -186,16 +186,68 @@ def _min_max(x: torch.Tensor) -> solver.TensorStats:
     return solver.TensorStats(None, None, lo.to(_F32), hi.to(_F32))
 
 
+#: an fp32 sum of 0/1 entries is an exact count below this many entries
+_EXACT_COUNT = 2**24
+
+
+def log_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`adaloss.solver.log_stats_of_sums` takes, fp32: the count of ``x``'s non-zero
+    entries, ``Σ ln|x|`` and ``Σ ln²|x|`` over them, ``max|x|``; torch's fused kernels (~3x
+    faster on CPU than the solver's ops). One temporary (``|x|``, its log taken in place): on a
+    CPU each fresh tensor of a cotangent's size costs its page faults (~0.5 ms for 2 MB), more
+    than the arithmetic."""
+    a = x.abs()
+    absmax, count = a.amax().to(_F32), torch.count_nonzero(a).to(_F32)
+    logs = torch.nan_to_num_(a.log_(), neginf=0.0)  # zeros contribute nothing
+    return count, logs.sum(dtype=_F32), torch.linalg.vector_norm(logs, dtype=_F32).square(), absmax
+
+
 def log_stats(x: torch.Tensor) -> solver.LogStats:
     """Mean and std of ``ln|x|`` over the non-zero entries, as :func:`adaloss.solver.log_stats`
-    (one-pass sums), with torch's fused kernels (~3x faster on CPU)."""
-    a = x.abs()
-    logs = torch.nan_to_num_(torch.log(a), neginf=0.0)  # zeros contribute nothing
-    count = torch.count_nonzero(a).to(_F32)
-    denom = torch.clamp(count, min=1.0)
-    mean = logs.sum(dtype=_F32) / denom
-    var = torch.clamp(torch.linalg.vector_norm(logs, dtype=_F32).square() / denom - mean * mean, min=0.0)
-    return solver.LogStats(mean, var.sqrt(), count, a.amax().to(_F32))
+    (one-pass sums, :func:`log_sums`), 0-d fp32 tensors."""
+    return solver.log_stats_of_sums(*log_sums(x), xp)
+
+
+def _counts_in_place(x: torch.Tensor, limit: float, host: bool) -> bool:
+    """Whether :func:`subnormal_counts` counts from an fp32 copy of ``|x|``: a CPU backward
+    (``host``), fewer than 2^24 entries (an exact fp32 sum), ``limit`` a power of two."""
+    return host and x.device.type == "cpu" and x.numel() < _EXACT_COUNT and math.frexp(limit)[0] == 0.5
+
+
+def _counts_of_copy(w: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`subnormal_counts` from ``w``, an fp32 copy of ``x`` it may overwrite."""
+    nonzero = torch.count_nonzero(w)
+    at_least = w.abs_().mul_(1.0 / limit).clamp_(max=1.0).floor_().nan_to_num_(nan=1.0).sum(dtype=_F32)
+    return nonzero, w.numel() - at_least
+
+
+def subnormal_counts(x: torch.Tensor, limit: float, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counts :func:`adaloss.solver.subnormal_fraction_of_counts` takes: ``x``'s non-zero
+    entries and those below the power of two ``limit`` in magnitude (zeros included).
+
+    On a CPU backward (``host``, :func:`_counts_in_place`): from one fp32 copy of ``x`` (exact),
+    the entries at or above ``limit`` summed as ``floor(min(|x| / limit, 1))`` (exact: the
+    division is by a power of two) in place: on a CPU a comparison's boolean mask costs 3-10x an
+    fp32 elementwise op and its sum (0.3 ms against 0.03 ms for 512K entries). NaN entries count
+    as non-zero and not below, as the comparisons count them."""
+    if not _counts_in_place(x, limit, host):
+        return torch.count_nonzero(x), torch.count_nonzero(x.abs() < limit)
+    return _counts_of_copy(x.to(_F32, copy=True), limit)
+
+
+def cotangent_stats(g: torch.Tensor, with_mean: bool, limit: float | None, host: bool = False
+                    ) -> tuple[solver.TensorStats, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`tensor_stats` of ``g`` and, with ``limit``, its :func:`subnormal_counts`; a 16-bit
+    ``g`` on a CPU backward widened once for both (the same values as computed apart)."""
+    if limit is None or g.dtype == _F32 or not _counts_in_place(g, limit, host):
+        return (tensor_stats(g, with_mean),
+                None if limit is None else subnormal_counts(g, limit, host))
+    n = g.numel()
+    mean = torch.sum(g, dtype=_F32) / n if with_mean else None
+    w = g.to(_F32).reshape(-1)  # what _sum_of_squares reduces
+    sq = torch.dot(w, w) / n
+    lo, hi = torch.aminmax(g)
+    return solver.TensorStats(mean, sq, lo.to(_F32), hi.to(_F32)), _counts_of_copy(w, limit)
 
 
 def rescale(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -386,7 +438,7 @@ class ScaledBackward:
             return None
         param = self.hidden[k]
         prior = self.leaf_scales.get(id(param))
-        grad, carried = self.on_leaf(param, grad, self.sm.to_torch(self.regions[-1]),
+        grad, carried = self.on_leaf(param, grad, self._leaf_scale(self.regions[-1]),
                                      None if prior is None else prior[1])
         self.leaf_scales[id(param)] = (param, carried)
         return grad
@@ -401,6 +453,7 @@ class ScaledBackward:
         self.captured: dict[str, torch.Tensor] = {}
         self.captured_scales: dict[str, Any] = {}
         self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._leaf_tensors: dict[int, tuple[Any, torch.Tensor]] = {}  # id(value) -> (value, tensor)
         self.regions: list[Any] = []  # outgoing scales of the opaque regions being run
         # scale symbol -> the layer decisions that set it (merges: those of their parts)
         self.deciders: dict[int, frozenset[str]] = {}
@@ -458,7 +511,7 @@ class ScaledBackward:
             (self._layer_fp8 if self.config.fp8 else self._input_layer)(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
             param = self.plan.params[i]
-            go[0], carried = self.on_leaf(param, go[0], self.sm.to_torch(self.values[p.sym]), None)
+            go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.values[p.sym]), None)
             self.leaf_scales[id(param)] = (param, carried)
         return tuple(go)
 
@@ -501,14 +554,30 @@ class ScaledBackward:
         for i, p in enumerate(self.plan.order):
             param = self.plan.params[i]
             if p.leaf and id(param) not in self.leaf_scales and self.values[p.sym] is not None:
-                self.leaf_scales[id(param)] = (param, self.sm.to_torch(self.values[p.sym]))
+                self.leaf_scales[id(param)] = (param, self._leaf_scale(self.values[p.sym]))
         self.on_done(self.record())
+
+    def _leaf_scale(self, value: Any) -> torch.Tensor:
+        """``value`` (a scale of the scalar namespace) as the 0-d tensor a gradient carries, one
+        tensor per value: the parameters that carry one scale (a layer's weight and bias) share
+        it, and the scaler unscales them in one call."""
+        hit = self._leaf_tensors.get(id(value))
+        if hit is None:
+            hit = self._leaf_tensors[id(value)] = (value, self.sm.to_torch(value))
+        return hit[1]
 
     def _stats(self, t: solver.TensorStats | solver.LogStats) -> Any:
         """Statistics (0-d tensors) as values of the scalar namespace."""
         return type(t)(*(None if v is None else self.sm.to_xp(v) for v in t))
 
+    def _log_stats(self, g: torch.Tensor) -> solver.LogStats:
+        """:func:`log_stats` of ``g`` in the scalar namespace (the sums converted, the formula
+        applied there)."""
+        return solver.log_stats_of_sums(*map(self.sm.to_xp, log_sums(g)), self.sm.xp)
+
     def _rescale(self, t: torch.Tensor, factor: Any) -> torch.Tensor:
+        if self.sm is ON_HOST and t.device.type == "cpu":  # a Python number: no tensor made for it
+            return t * float(factor)  # (the same product: fp16/bf16 take a CPU scalar in fp32)
         return rescale(t, self.sm.to_torch(factor))
 
     # -- merges -------------------------------------------------------------------
@@ -579,8 +648,12 @@ class ScaledBackward:
         weight = None if cfg.model == "gradient" else self._weight(p)
         cached = self._cached(p.name)
         wcap = self._weight_grad_cap(p, g)
+        counts = None
         if cached is None or cached[1] is None:
-            gs = self._stats(tensor_stats(g, with_mean=cfg.model == "gradient"))
+            t, counts = cotangent_stats(g, cfg.model == "gradient",
+                                        cfg.underflow_limit if cfg.underflow_feedback else None,
+                                        self.sm is ON_HOST)
+            gs = self._stats(t)
             ws = None if weight is None else self._stats(tensor_stats(weight, with_mean=False))
             d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx,
                                    cached_model_scale=None if cached is None else cached[0],
@@ -592,7 +665,9 @@ class ScaledBackward:
                                    cached_sigma=cached[1], backoff=self.bo, extra_cap=wcap)
         behind = self.deciders.get(p.sym, frozenset())
         if cfg.underflow_feedback:
-            frac = solver.subnormal_fraction(g, cfg, xp, self.sm.to_torch(solver.absmax(gs, sx)))
+            nonzero, below = counts or subnormal_counts(g, cfg.underflow_limit, self.sm is ON_HOST)
+            frac = solver.subnormal_fraction_of_counts(nonzero, below, g.numel(), cfg, xp,
+                                                       self.sm.to_torch(solver.absmax(gs, sx)))
             for name in behind:
                 self.fractions[name].append(frac)
         self.deciders[p.send] = frozenset({p.name})
@@ -627,12 +702,12 @@ class ScaledBackward:
             self.decisions[p.name] = _Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
             return
         if p.kind == "region":  # at least the region's dynamic scale (torch_bridge.regions)
-            ls = self._stats(log_stats(g))
+            ls = self._log_stats(g)
             floor = self.sm.to_xp(self.region_scale(p.name, g.device)) / incoming
             d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=sx.maximum(
                 solver.cast_model_scale(cfg, ls, sx, self.bo), floor), backoff=self.bo)
         elif cached is None or cached[1] is None:
-            ls = self._stats(log_stats(g))
+            ls = self._log_stats(g)
             d = solver.cast_scale(cfg, ls, incoming, sx,
                                   cached_model_scale=None if cached is None else cached[0], backoff=self.bo)
         else:  # only the overflow cap needs a current statistic: max|g|

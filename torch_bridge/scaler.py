@@ -413,12 +413,15 @@ class AdaLossScaler:
                 dev = grad.device
                 entry = self._pending.pop(id(p), None)
                 if entry is None:
-                    scale = ones.setdefault(dev, torch.ones((), dtype=_F32, device=dev))
+                    if dev not in ones:
+                        ones[dev] = torch.ones((), dtype=_F32, device=dev)
+                    scale = ones[dev]
                 else:
                     scale = entry[1]
                 key = (id(scale), dev, grad.dtype)
                 groups.setdefault(key, (scale, []))[1].append(grad)
-                found.setdefault(dev, torch.zeros((), dtype=_F32, device=dev))
+                if dev not in found:  # (setdefault would make a tensor per parameter)
+                    found[dev] = torch.zeros((), dtype=_F32, device=dev)
         if self._sharded and not found:  # no gradient in this rank's shards: still agree
             dev = local_grad(next(self._model.parameters())).device  # a shard's device
             found[dev] = torch.zeros((), dtype=_F32, device=dev)
