@@ -116,7 +116,7 @@ def magnitude_stats(x: Array, xp: Any, with_mean: bool = False, moments: bool = 
 
 def variance(t: TensorStats, xp: Any) -> Array:
     """Population variance ``E[x²] − E[x]²`` (clipped at 0)."""
-    return xp.maximum(t.sq_mean - t.mean * t.mean, xp.zeros_like(t.sq_mean))
+    return xp.clip(t.sq_mean - t.mean * t.mean, min=0.0)
 
 
 def log_stats(x: Array, xp: Any) -> LogStats:
@@ -140,9 +140,9 @@ def log_stats_of_sums(count: Array, log_sum: Array, log_sq_sum: Array, absmax: A
     """:func:`log_stats` from the sums over the ``count`` non-zero entries of ``ln|x|`` and
     ``ln²|x|``, and ``max|x|``."""
     count = xp.astype(count, xp.float32)
-    denom = xp.maximum(count, xp.asarray(1.0, dtype=xp.float32))
+    denom = xp.clip(count, min=1.0)
     mean = log_sum / denom
-    var = xp.maximum(log_sq_sum / denom - mean * mean, xp.zeros_like(mean))
+    var = xp.clip(log_sq_sum / denom - mean * mean, min=0.0)
     return LogStats(mean, xp.sqrt(var), count, absmax)
 
 
@@ -196,10 +196,7 @@ def _at_least_one(s: Array, has_spread: Array, xp: Any) -> Array:
     all-zero or constant input; no non-zero entry) or the estimate is NaN (a non-finite
     gradient, whose step is skipped anyway); an estimate beyond fp32 saturates at
     :data:`F32_MAX`, so that the overflow caps and bounds decide, never 1."""
-    one = xp.ones_like(s)
-    s = xp.minimum(s, xp.full_like(s, F32_MAX))  # inf -> F32_MAX; NaN stays NaN
-    ok = has_spread & (s == s)
-    return xp.maximum(xp.where(ok, s, one), one)
+    return xp.where(has_spread & (s == s), xp.clip(s, 1.0, F32_MAX), 1.0)  # NaN -> 1
 
 
 def saturating_quotient(limit: float, x: Array, xp: Any) -> Array:
@@ -208,7 +205,7 @@ def saturating_quotient(limit: float, x: Array, xp: Any) -> Array:
     normal, because XLA flushes subnormals) and NumPy scalars never warn. Where ``x = 0`` the
     caller decides what the quotient means."""
     floor = max(limit / F32_MAX, 2.0**-126)
-    return limit / xp.where(x > floor, x, xp.full_like(x, floor))
+    return limit / xp.where(x > floor, x, floor)  # NaN -> floor
 
 
 def model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array | None = None,
@@ -227,7 +224,7 @@ def _lifted(s: Array, lift: Array | None, xp: Any) -> Array:
     """``s · lift`` (a power of two ≥ 1), saturating at :data:`F32_MAX`; ``s`` without one."""
     if lift is None:
         return s
-    return xp.minimum(s * lift, xp.full_like(s, F32_MAX))
+    return xp.clip(s * lift, max=F32_MAX)
 
 
 def _backed_off(x: Array, backoff: Array | None) -> Array:
@@ -250,7 +247,7 @@ def overflow_cap(config: AdaLossConfig, g: TensorStats, w: TensorStats | None,
 
 def _cap(limit: float, m: Array, xp: Any) -> Array:
     """``limit / m``, finite (inf when ``m = 0``: nothing can overflow)."""
-    return xp.where(m > 0, saturating_quotient(limit, m, xp), xp.full_like(m, float("inf")))
+    return xp.where(m > 0, saturating_quotient(limit, m, xp), math.inf)
 
 
 def amplified_scale(config: AdaLossConfig, g_absmax: Array, factor: Array, xp: Any,
@@ -267,7 +264,7 @@ def at_most(cap: Array, xp: Any) -> Array:
     """The power of two ``r ≤ 1`` that multiplies a scale held below ``cap`` (a cap on the
     factor applied to what is already scaled): 1 where ``cap ≥ 1``, else ``cap``'s power-of-two
     floor."""
-    return xp.where(cap >= 1, xp.ones_like(cap), pow2_floor(cap, xp))
+    return xp.where(cap >= 1, 1.0, pow2_floor(cap, xp))
 
 
 def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array, rows: int,
@@ -284,7 +281,7 @@ def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array,
     of the dtype it is computed in (default ``u_max``; with an fp8 ``grad_format``, the 16-bit
     dtype's).
     """
-    m = g_col_norm * xp.maximum(x_col_norm, xp.full_like(x_col_norm, float(rows) ** 0.5))
+    m = g_col_norm * xp.clip(x_col_norm, min=float(rows) ** 0.5)
     return _backed_off(_cap(config.overflow_limit if limit is None else limit, m, xp), backoff)
 
 
@@ -294,7 +291,7 @@ def bounded_scale(config: AdaLossConfig, s: Array, cap: Array, incoming: Array,
     bound (times the back-off factor), layer bound (the result may be < 1)."""
     s = xp.minimum(s, cap)
     s = xp.minimum(s, _backed_off(config.accum_limit / incoming, backoff))
-    return xp.minimum(s, xp.full_like(s, config.layer_limit))
+    return xp.clip(s, max=config.layer_limit)
 
 
 def round_scale(config: AdaLossConfig, s: Array, xp: Any) -> Array:
@@ -358,8 +355,8 @@ def fp8_model_scale(config: AdaLossConfig, sigma: Array, xp: Any, backoff: Array
     ``2^k``, ``k`` of either sign). 1 where σ = 0 or the estimate is NaN; saturates at
     :data:`F32_MAX`, so that the caps decide."""
     s = _backed_off(saturating_quotient(config.overflow_limit, sigma * config.z_saturation, xp), backoff)
-    s = xp.minimum(_lifted(s, lift, xp), xp.full_like(s, F32_MAX))
-    return xp.where((sigma > 0) & (s == s), s, xp.ones_like(s))
+    s = xp.clip(_lifted(s, lift, xp), max=F32_MAX)
+    return xp.where((sigma > 0) & (s == s), s, 1.0)
 
 
 def fp8_layer_scale(config: AdaLossConfig, g: TensorStats, w: TensorStats, fan_in: int,
@@ -392,7 +389,7 @@ def fp8_fit_scale(config: AdaLossConfig, g_absmax: Array, incoming: Array, xp: A
     decision is. ``model_scale`` and ``sigma`` in the result are that quotient and
     ``max|g|``."""
     q = _backed_off(_cap(config.overflow_limit, g_absmax, xp), backoff)
-    q = xp.where(g_absmax > 0, q, xp.ones_like(q))
+    q = xp.where(g_absmax > 0, q, 1.0)
     return _decide(config, q, q, incoming, g_absmax, xp, backoff)
 
 
@@ -412,7 +409,7 @@ def operand_scale(config: AdaLossConfig, x_absmax: Array, xp: Any) -> Array:
     s = _cap(config.operand_limit, x_absmax, xp)
     s = round_scale(config, s, xp)
     ok = (x_absmax > 0) & (x_absmax < math.inf)
-    return xp.where(ok, s, xp.ones_like(s))
+    return xp.where(ok, s, 1.0)
 
 
 def _exact_in(value: float, dtype: Any) -> bool:
@@ -463,7 +460,7 @@ def fractions_of_counts(nonzero_g: Array, nonzero_q: Array, held: Array, saturat
     """:func:`quantized_fractions` from the counts of one cast of ``g`` to ``q``: non-zero
     entries of each, non-zero entries of ``q`` below the smallest normal, entries of ``g``
     beyond the max (fp32)."""
-    denom = xp.maximum(nonzero_g, xp.ones_like(nonzero_g))
+    denom = xp.clip(nonzero_g, min=1.0)
     return (nonzero_g - nonzero_q) / denom, held / denom, saturated / denom
 
 
@@ -525,7 +522,7 @@ def fp8_signal(config: AdaLossConfig, flushed: Array, subnormal: Array, saturate
     over = saturating_quotient(config.z_saturation, z, xp)
     drop = xp.clip(xp.ceil(xp.log2(over)), 1.0, float(MAX_LIFT))
     room = q_absmax * 2.0 <= config.overflow_limit
-    under = xp.where(room, (flushed + subnormal) / config.threshold, xp.zeros_like(sat))
+    under = xp.where(room, (flushed + subnormal) / config.threshold, 0.0)
     return xp.where(sat > 1.0, -drop, under)
 
 
@@ -548,9 +545,8 @@ def cast_model_scale(config: AdaLossConfig, ls: LogStats, xp: Any,
              - ls.mean - ls.std * config.z_lower)
     if backoff is not None:
         log_s = log_s + xp.log(backoff)
-    log_s = xp.minimum(log_s, xp.full_like(log_s, _LOG_SATURATE))
-    s = xp.exp(log_s)
-    s = xp.where(log_s >= _LOG_SATURATE, xp.full_like(s, F32_MAX), s)
+    log_s = xp.clip(log_s, max=_LOG_SATURATE)
+    s = xp.where(log_s >= _LOG_SATURATE, F32_MAX, xp.exp(log_s))
     return _at_least_one(s, ls.count > 0, xp)
 
 
@@ -635,10 +631,10 @@ def subnormal_fraction_of_counts(nonzero: Array, below: Array, size: int, config
     """:func:`subnormal_fraction` from the counts of a tensor of ``size`` entries: ``nonzero``
     entries, ``below`` entries under ``u_min`` in magnitude (zeros included)."""
     below = below - (size - nonzero)
-    frac = xp.astype(below, xp.float32) / xp.astype(xp.maximum(nonzero, xp.ones_like(nonzero)), xp.float32)
+    frac = xp.astype(below, xp.float32) / xp.clip(xp.astype(nonzero, xp.float32), min=1.0)
     if absmax is None:
         return frac
-    return xp.where(absmax * 2.0 < config.overflow_limit, frac, xp.zeros_like(frac))
+    return xp.where(absmax * 2.0 < config.overflow_limit, frac, 0.0)
 
 
 def underflow_ratio(fractions: Sequence[Array], limited: Array | None, config: AdaLossConfig,
@@ -657,7 +653,7 @@ def underflow_ratio(fractions: Sequence[Array], limited: Array | None, config: A
         ratio = xp.max(xp.stack(list(fractions))) / config.threshold
     if limited is None:
         return ratio
-    return xp.where(limited, xp.minimum(ratio, xp.full_like(ratio, LIFT_AIM)), ratio)
+    return xp.where(limited, xp.clip(ratio, max=LIFT_AIM), ratio)
 
 
 def lift_update(config: AdaLossConfig, k: Array, ratio: Array, finite: Array, xp: Any) -> Array:
@@ -698,7 +694,7 @@ def merge_scale(scales: Sequence[Array], absmaxes: Sequence[Array], u_max: float
     m = xp.max(xp.stack([_f32(a, xp) for a in absmaxes]) / s)
     smallest = xp.min(s)
     candidates = xp.concat([s, xp.stack([smallest * 0.5, smallest * 0.25, smallest * 0.125])])
-    best = xp.max(xp.where(candidates * m < u_max, candidates, xp.zeros_like(candidates)))
+    best = xp.max(xp.where(candidates * m < u_max, candidates, 0.0))
     return xp.where(best > 0, best, smallest * 0.125)
 
 
@@ -720,7 +716,7 @@ def predicted_underflow(config: AdaLossConfig, sigma: Array, scale: Array,
     by ``scale``: ``erf(u_min / (scale·σ·√2))`` (0 when σ = 0)."""
     denom = scale * sigma * 2.0**0.5
     q = saturating_quotient(config.underflow_limit, denom, xp)
-    return xp.where(denom > 0, erf(q), xp.zeros_like(denom))
+    return xp.where(denom > 0, erf(q), 0.0)
 
 
 def predicted_underflow_lognormal(config: AdaLossConfig, ls: LogStats, scale: Array,
@@ -728,8 +724,8 @@ def predicted_underflow_lognormal(config: AdaLossConfig, ls: LogStats, scale: Ar
     """Fraction of the non-zero ``|g|`` (log-normal) still below u_min after scaling:
     ``Φ((ln(u_min / scale) − μ_ln) / σ_ln)``."""
     z = xp.log(config.underflow_limit / scale) - ls.mean
-    safe = xp.where(ls.std > 1e-30, ls.std, xp.ones_like(ls.std))
+    safe = xp.where(ls.std > 1e-30, ls.std, 1.0)
     smooth = 0.5 * (1.0 + erf(z / (safe * 2.0**0.5)))
     step = xp.astype(z > 0, xp.float32)
     out = xp.where(ls.std > 1e-30, smooth, step)
-    return xp.where(ls.count > 0, out, xp.zeros_like(out))
+    return xp.where(ls.count > 0, out, 0.0)

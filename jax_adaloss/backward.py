@@ -1104,7 +1104,7 @@ class _Sweep:
         ratios += [(w, r) for w, rs in self.region_signals.items() for r in rs]
         for w, r in ratios:
             out[w] = r if w not in out else solver.combine_signals(self.config, out[w], r, jnp)
-        return out
+        return _materialized(out)
 
     def report(self) -> BackwardReport:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
@@ -1167,6 +1167,21 @@ def _settled(x: Any, inverses: dict[int, tuple[Any, Any]] | None = None) -> Any:
         for v, inv in zip(out[:n], out[n:]):
             inverses[id(v)] = (v, inv)
     return jax.tree.unflatten(tree, list(out[:n]))
+
+
+def _materialized(x: Any) -> Any:
+    """``x`` (fp32 scalars of any sign, NaN kept), unchanged, as the results of one variadic
+    reduction (``max(v, -inf)``): one kernel computes them all. Values each read only by the
+    program's outputs (the per-weight underflow signals) would otherwise be computed by a
+    scalar kernel each on a GPU."""
+    leaves, tree = jax.tree.flatten(x)
+    if len(leaves) < 2:
+        return x
+    low = jnp.array([0.0, -jnp.inf], _F32)
+    operands = [jnp.where(low < 0, low, jnp.asarray(v, _F32)) for v in leaves]
+    out = jax.lax.reduce(tuple(operands), (_F32(-jnp.inf),) * len(operands),
+                         lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)), (0,))
+    return jax.tree.unflatten(tree, list(out))
 
 
 def _stored(x: Any) -> Any:

@@ -159,6 +159,15 @@ def test_the_decisions_add_few_kernels_to_the_gradient():
     assert ada <= 1.3 * base, (ada, base)
 
 
+def test_the_underflow_signals_of_every_weight_take_one_kernel():
+    """With ``underflow_feedback`` each weight's underflow ratio (an output of the gradient) is
+    computed in one kernel for all of them, not a scalar kernel each: the feedback adds at most
+    one kernel to the MLP's gradient (three weights report one)."""
+    with_feedback = _compiled(AdaLossConfig(grad_format="bfloat16")).kernels
+    without = _compiled(AdaLossConfig(grad_format="bfloat16", underflow_feedback=False)).kernels
+    assert with_feedback - without <= 1, (with_feedback, without)
+
+
 def test_a_loop_counts_its_body_per_iteration_and_the_slices_it_moves():
     """A scan's body runs once per iteration (its known trip count), and a kernel that reads a
     slice of the loop's stacked input or writes one into its stacked output in place moves the
