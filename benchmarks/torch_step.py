@@ -9,7 +9,10 @@ zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M p
 fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler's scaled backward,
 ``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. ``AdaLossScaler, device math``: the
 scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel (on a
-CPU the default computes them on NumPy scalars). Ops: every aten op dispatched in one
+CPU the default computes them on NumPy scalars); ``..., fused``: the same with
+``fuse_decisions=True`` (each decision one inductor-compiled call; compiled in the warm-up
+steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a CPU without fp16 GEMM kernels,
+whose fp16 GEMMs dominate the step). Ops: every aten op dispatched in one
 step (a ``TorchDispatchMode`` counting them, views included, the backward's too), the mean of 3
 steps; per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
 the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
@@ -37,7 +40,7 @@ import torch_bridge
 from adaloss_study.overhead import machine
 
 MODELS = {"gpt2-2x128": (2, 128), "gpt2-4x256": (4, 256), "gpt2-6x384": (6, 384)}
-METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math")
+METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math", "AdaLossScaler, device math, fused")
 
 
 class OpCounter(TorchDispatchMode):
@@ -60,16 +63,19 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
                                       n_head=4))
 
 
-def stepper(name: str, method: str, batch: int, seq: int) -> tuple[Callable[[], None], Any]:
+def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = torch.float16
+            ) -> tuple[Callable[[], None], Any]:
     """One training step of ``method`` on a fresh copy of the model, and its scaler."""
     model = build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = torch_bridge.AdaLossConfig(grad_format=str(dtype).removeprefix("torch."))
     scaler = (torch.amp.GradScaler("cpu") if method == "GradScaler" else
-              torch_bridge.AdaLossScaler(model, host_math=not method.endswith("device math")))
+              torch_bridge.AdaLossScaler(model, config, host_math="device math" not in method,
+                                         fuse_decisions=method.endswith("fused")))
     ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
             loss = model(input_ids=ids, labels=ids).loss
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -87,17 +93,18 @@ def count_ops(step: Callable[[], None], steps: int = 3) -> Counter[str]:
     return Counter({k: v / steps for k, v in c.ops.items()})
 
 
-def measure(name: str, batch: int, seq: int, repeats: int, steps: int) -> dict[str, Any]:
-    runs = {m: stepper(name, m, batch, seq) for m in METHODS}
+def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: tuple[str, ...] = METHODS,
+            dtype: torch.dtype = torch.float16) -> dict[str, Any]:
+    runs = {m: stepper(name, m, batch, seq, dtype) for m in methods}
     ops = {m: count_ops(step) for m, (step, _) in runs.items()}
-    rounds: dict[str, list[float]] = {m: [] for m in METHODS}
+    rounds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in tqdm(range(repeats), desc=name, leave=False):
         for m, (step, _) in runs.items():
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
             rounds[m].append(1e3 * (time.perf_counter() - t0) / steps)
-    scaler = runs["AdaLossScaler"][1]
+    scaler = next(sc for m, (_, sc) in runs.items() if m != "GradScaler")
     layers = len(scaler.layer_reports())
     extra = {m: dict(Counter({k: c[k] - ops["GradScaler"].get(k, 0) for k in c}).most_common(12))
              for m, c in ops.items() if m != "GradScaler"}
@@ -114,7 +121,7 @@ def table(payload: dict[str, Any]) -> str:
              "| ÷ GradScaler's |", "|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         o, t = r["ops"], r["median_ms"]
-        for i, m in enumerate(METHODS):
+        for i, m in enumerate(o):
             per = "" if m == "GradScaler" else f"{(o[m] - o['GradScaler']) / r['decisions']:.0f}"
             size = f"{r['parameters'] / 1e6:.1f}M, {r['decisions']} decisions"
             model = f"{r['model']} ({size})" if i == 0 else ""
@@ -130,12 +137,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                    help="the autocast dtype (and the gradient format)")
     ap.add_argument("--json", type=Path, default=Path("docs/torch_step.json"))
     args = ap.parse_args(argv)
+    if "GradScaler" not in args.methods:
+        ap.error("--methods must include GradScaler (the baseline)")
     warnings.simplefilter("ignore")  # transformers' config notes
-    rows = [measure(m, args.batch, args.seq, args.repeats, args.steps) for m in args.models]
+    dtype = getattr(torch, args.dtype)
+    rows = [measure(m, args.batch, args.seq, args.repeats, args.steps, tuple(args.methods), dtype)
+            for m in args.models]
     payload = {"command": "python benchmarks/torch_step.py", "machine": machine("torch"), "batch": args.batch,
-               "seq": args.seq, "repeats": args.repeats, "steps": args.steps, "rows": rows}
+               "seq": args.seq, "dtype": args.dtype, "repeats": args.repeats, "steps": args.steps,
+               "rows": rows}
     args.json.write_text(json.dumps(payload, indent=1))
     print(table(payload))
     return payload

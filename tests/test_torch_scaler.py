@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_models import MLP, make_case, xent
 
 from torch_bridge import AdaLossConfig, AdaLossScaler, _xp
@@ -104,6 +105,10 @@ def test_calls_in_the_wrong_order_raise():
 def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="nn.Module"):
         AdaLossScaler("model")
+    with pytest.raises(TypeError, match="fuse_decisions"):
+        AdaLossScaler(MLP(), fuse_decisions=1)
+    with pytest.raises(ValueError, match="backend"):
+        AdaLossScaler(MLP(), fuse_decisions="tvm")
     with pytest.raises(TypeError, match="AdaLossConfig"):
         AdaLossScaler(MLP(), {"threshold": 1e-3})
     scaler = AdaLossScaler(MLP())
@@ -196,15 +201,18 @@ def test_one_host_sync_per_step(monkeypatch, host_math):
 
 @pytest.mark.parametrize("name", ["residual", "gpt"])
 def test_host_math_and_device_math_decide_identically(name):
+    """The same decisions from NumPy scalars, from 0-d tensors, and from the decisions' traced
+    graphs (``fuse_decisions``, run op by op: the same ops as the tensors', bit for bit)."""
     scales = []
-    for host_math in (False, True):
+    for kw in ({"host_math": False}, {"host_math": True}, {"host_math": False, "fuse_decisions": "eager"}):
         model, x, y = make_case(name)
-        scaler = AdaLossScaler(model, AdaLossConfig(accum_bound=2.0**24), host_math=host_math)
+        scaler = AdaLossScaler(model, AdaLossConfig(accum_bound=2.0**24), **kw)
         with torch.autocast("cpu", dtype=torch.float16):
             scaler.scale(1e-6 * xent(model(x), y)).backward()
         reps = scaler.layer_reports()
         scales.append({k: (float(r.scale), float(r.unrounded_scale)) for k, r in reps.items()})
-    device, host = scales
+    device, host, traced = scales
+    assert traced == device
     assert device.keys() == host.keys()
     for k in device:
         # the same formulas on 0-d tensors and on NumPy scalars: libm's exp/log/sqrt may differ
@@ -212,6 +220,55 @@ def test_host_math_and_device_math_decide_identically(name):
         assert device[k][1] == pytest.approx(host[k][1], rel=1e-6), k
         assert device[k][0] == host[k][0], k
     assert any(s != 1.0 for s, _ in device.values())
+
+
+class _SolverOps(TorchDispatchMode):
+    """Counts the aten ops dispatched from the decisions' formulas (a frame of
+    ``adaloss/solver.py`` or ``torch_bridge/decisions.py`` on the stack)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code.co_filename.endswith(("adaloss/solver.py", "torch_bridge/decisions.py")):
+                self.count += 1
+                break
+            f = f.f_back
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_decisions_leave_no_scalar_op_to_the_backward():
+    """With ``fuse_decisions`` every decision's scalar math runs as its compiled graph (one
+    kernel with inductor): once traced, the backward dispatches no op of the formulas; a kind
+    of decision compiles once; the gradients are those of device math op by op."""
+    torch.manual_seed(0)
+    grads = []
+    for fuse in (False, "eager"):
+        model, x, y = make_case("gpt")
+        scaler = AdaLossScaler(model, host_math=False, fuse_decisions=fuse)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = scaler.scale(1e-4 * xent(model(x), y))
+            mode = _SolverOps()
+            with mode:
+                loss.backward()
+            if step == 2 or not fuse:  # (the first two trace: the second has the scaler's state)
+                assert (mode.count == 0) == bool(fuse), mode.count
+            if step == 0:
+                grads.append([p.grad.clone() for p in model.parameters()])
+            if step == 1:
+                compiled = len(scaler._fused) if fuse else 0
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert compiled == (len(scaler._fused) if fuse else 0)
+    assert 3 <= compiled <= 16  # layers of two fan-ins, casts, merges, the underflow signals
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def test_enabled_false_is_a_pass_through():

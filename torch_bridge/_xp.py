@@ -50,10 +50,14 @@ def _np_to_torch(x: Any) -> torch.Tensor:
 
 
 def _torch_to_np(t: torch.Tensor) -> Any:
-    """A CPU tensor's value for NumPy; a 0-d fp32 one (most of them) through ``tolist`` (exact:
-    a Python float holds any fp32 value), which dispatches no aten op (``.numpy()`` a ``detach``)."""
-    if t.dim() == 0 and t.dtype == torch.float32:
-        return np.float32(t.tolist())
+    """A CPU tensor's value for NumPy. A 0-d one (most of them) through ``tolist``, which
+    dispatches no aten op (``.numpy()`` a ``detach``): a float of at most 32 bits (fp16, bf16
+    too) as an fp32 scalar (exact: fp32 holds every such value), others in their kind."""
+    if t.dim() == 0:
+        v = t.tolist()
+        if t.is_floating_point():
+            return np.float32(v) if t.dtype.itemsize <= 4 else np.float64(v)
+        return np.bool_(v) if t.dtype == torch.bool else np.int64(v)
     return t.numpy()
 
 

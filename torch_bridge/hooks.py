@@ -36,7 +36,9 @@ import torch
 from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
+from torch_bridge import decisions
 from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
+from torch_bridge.fused import FusedMath
 from torch_bridge.graph import (
     FP8_NODE,
     NO_DECISION,
@@ -142,11 +144,30 @@ def tensor_stats(x: torch.Tensor, with_mean: bool = True) -> solver.TensorStats:
     an fp32 copy is ~7x slower on CPU). The mean is
     skipped (``None``) when the statistical model does not use it.
     """
-    n = x.numel()
-    mean = torch.sum(x, dtype=_F32) / n if with_mean else None
-    sq = _sum_of_squares(x) / n
+    return decisions.normalized(tensor_sums(x, with_mean), x.numel(), xp)
+
+
+def tensor_sums(x: torch.Tensor, with_mean: bool = True) -> decisions.Sums:
+    """The :class:`~torch_bridge.decisions.Sums` of ``x`` (:func:`tensor_stats` before the
+    divisions and conversions, which a decision makes)."""
     lo, hi = torch.aminmax(x)
-    return solver.TensorStats(mean, sq, lo.to(_F32), hi.to(_F32))
+    return decisions.Sums(torch.sum(x, dtype=_F32) if with_mean else None, _sum_of_squares(x), lo, hi)
+
+
+def weight_stats(weights: Sequence[torch.Tensor]) -> list[decisions.WeightStats]:
+    """Each weight's :class:`~torch_bridge.decisions.WeightStats`: two ``_foreach_norm``
+    calls for all the weights of one device and dtype."""
+    out: list[decisions.WeightStats | None] = [None] * len(weights)
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for k, w in enumerate(weights):
+        groups[(w.device, w.dtype)].append(k)
+    for members in groups.values():
+        ws = [weights[k] for k in members]
+        norms = torch._foreach_norm(ws, 2, dtype=_F32)
+        maxima = torch._foreach_norm(ws, math.inf)
+        for k, n, m in zip(members, norms, maxima):
+            out[k] = decisions.WeightStats(n, m)
+    return out  # type: ignore[return-value]
 
 
 _CODE_TABLES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
@@ -190,22 +211,22 @@ def _min_max(x: torch.Tensor) -> solver.TensorStats:
 _EXACT_COUNT = 2**24
 
 
-def log_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What :func:`adaloss.solver.log_stats_of_sums` takes, fp32: the count of ``x``'s non-zero
-    entries, ``Σ ln|x|`` and ``Σ ln²|x|`` over them, ``max|x|``; torch's fused kernels (~3x
-    faster on CPU than the solver's ops). One temporary (``|x|``, its log taken in place): on a
-    CPU each fresh tensor of a cotangent's size costs its page faults (~0.5 ms for 2 MB), more
-    than the arithmetic."""
+def log_sums(x: torch.Tensor) -> decisions.LogSums:
+    """The :class:`~torch_bridge.decisions.LogSums` of ``x`` (what
+    :func:`adaloss.solver.log_stats_of_sums` takes, before conversions): torch's fused kernels
+    (~3x faster on CPU than the solver's ops). One temporary (``|x|``, its log taken in place):
+    on a CPU each fresh tensor of a cotangent's size costs its page faults (~0.5 ms for 2 MB),
+    more than the arithmetic."""
     a = x.abs()
-    absmax, count = a.amax().to(_F32), torch.count_nonzero(a).to(_F32)
+    absmax, count = a.amax(), torch.count_nonzero(a)
     logs = torch.nan_to_num_(a.log_(), neginf=0.0)  # zeros contribute nothing
-    return count, logs.sum(dtype=_F32), torch.linalg.vector_norm(logs, dtype=_F32).square(), absmax
+    return decisions.LogSums(count, logs.sum(dtype=_F32), torch.linalg.vector_norm(logs, dtype=_F32), absmax)
 
 
 def log_stats(x: torch.Tensor) -> solver.LogStats:
     """Mean and std of ``ln|x|`` over the non-zero entries, as :func:`adaloss.solver.log_stats`
     (one-pass sums, :func:`log_sums`), 0-d fp32 tensors."""
-    return solver.log_stats_of_sums(*log_sums(x), xp)
+    return decisions.log_stats(log_sums(x), xp)
 
 
 def _counts_in_place(x: torch.Tensor, limit: float, host: bool) -> bool:
@@ -236,18 +257,16 @@ def subnormal_counts(x: torch.Tensor, limit: float, host: bool = False) -> tuple
 
 
 def cotangent_stats(g: torch.Tensor, with_mean: bool, limit: float | None, host: bool = False
-                    ) -> tuple[solver.TensorStats, tuple[torch.Tensor, torch.Tensor] | None]:
-    """:func:`tensor_stats` of ``g`` and, with ``limit``, its :func:`subnormal_counts`; a 16-bit
+                    ) -> tuple[decisions.Sums, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`tensor_sums` of ``g`` and, with ``limit``, its :func:`subnormal_counts`; a 16-bit
     ``g`` on a CPU backward widened once for both (the same values as computed apart)."""
     if limit is None or g.dtype == _F32 or not _counts_in_place(g, limit, host):
-        return (tensor_stats(g, with_mean),
+        return (tensor_sums(g, with_mean),
                 None if limit is None else subnormal_counts(g, limit, host))
-    n = g.numel()
-    mean = torch.sum(g, dtype=_F32) / n if with_mean else None
     w = g.to(_F32).reshape(-1)  # what _sum_of_squares reduces
-    sq = torch.dot(w, w) / n
     lo, hi = torch.aminmax(g)
-    return solver.TensorStats(mean, sq, lo.to(_F32), hi.to(_F32)), _counts_of_copy(w, limit)
+    sums = decisions.Sums(torch.sum(g, dtype=_F32) if with_mean else None, torch.dot(w, w), lo, hi)
+    return sums, _counts_of_copy(w, limit)
 
 
 def rescale(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -375,8 +394,10 @@ class ScaledBackward:
                  hidden: Sequence[torch.Tensor] = (),
                  region_scale: Callable[[str, torch.device], torch.Tensor] | None = None,
                  backoff: torch.Tensor | None = None,
-                 lift: dict[str, torch.Tensor] | None = None, every_leaf: bool = False) -> None:
+                 lift: dict[str, torch.Tensor] | None = None, every_leaf: bool = False,
+                 fused: FusedMath | None = None) -> None:
         self.plan, self.config = plan, config
+        self.fused = fused  # decisions on device tensors: one compiled kernel each
         self.every_leaf = every_leaf  # call on_leaf for every parameter, not only where .grad exists
         self.backoff = backoff  # 2^-h from the scaler's back-off state (fp32 0-d), or None
         self.bo: Any = None  # the same in the pass's scalar namespace
@@ -458,9 +479,12 @@ class ScaledBackward:
         # scale symbol -> the layer decisions that set it (merges: those of their parts)
         self.deciders: dict[int, frozenset[str]] = {}
         # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
-        self.fractions: dict[str, list[torch.Tensor]] = defaultdict(list)
+        # (values of the scalar namespace)
+        self.fractions: dict[str, list[Any]] = defaultdict(list)
         self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
         self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
+        # node index -> its weight's statistics and size (_weight_stats), for this backward
+        self._weights: dict[int, tuple[decisions.WeightStats, int]] | None = None
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -476,13 +500,14 @@ class ScaledBackward:
                               self._underflow_signals())
 
     def _underflow_signals(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, fracs in self.fractions.items():
-            limited = torch.as_tensor(self.limited[name], device=fracs[0].device)
-            r = solver.underflow_ratio(fracs, limited, self.config, xp)
-            w = weight_of(name)
-            out[w] = r if w not in out else solver.combine_signals(self.config, out[w], r, xp)
-        return out
+        """Per weight, :func:`adaloss.solver.underflow_ratio` of its decisions (fp32 0-d tensors)."""
+        names = list(self.fractions)
+        if not names:
+            return {}
+        weights = tuple(weight_of(n) for n in names)
+        ratios = self._math(decisions.signals, (self.config, weights),
+                            [self.fractions[n] for n in names], [self.limited[n] for n in names])
+        return dict(zip(dict.fromkeys(weights), map(self.sm.to_torch, ratios)))
 
     # -- hooks --------------------------------------------------------------------
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -570,11 +595,6 @@ class ScaledBackward:
         """Statistics (0-d tensors) as values of the scalar namespace."""
         return type(t)(*(None if v is None else self.sm.to_xp(v) for v in t))
 
-    def _log_stats(self, g: torch.Tensor) -> solver.LogStats:
-        """:func:`log_stats` of ``g`` in the scalar namespace (the sums converted, the formula
-        applied there)."""
-        return solver.log_stats_of_sums(*map(self.sm.to_xp, log_sums(g)), self.sm.xp)
-
     def _rescale(self, t: torch.Tensor, factor: Any) -> torch.Tensor:
         if self.sm is ON_HOST and t.device.type == "cpu":  # a Python number: no tensor made for it
             return t * float(factor)  # (the same product: fp16/bf16 take a CPU scalar in fp32)
@@ -583,17 +603,11 @@ class ScaledBackward:
     # -- merges -------------------------------------------------------------------
     def _merge(self, parts: list[tuple[torch.Tensor, Any]], dtype: torch.dtype
                ) -> tuple[list[torch.Tensor], Any]:
-        sx = self.sm.xp
-        scales = [s for _, s in parts]
-        absmax = [solver.absmax(self._stats(_min_max(t)), sx) for t, _ in parts]
-        if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
-            target = solver.fp8_merge_scale(self.config, scales, absmax, sx, self.bo)
-            return [self._rescale(t, target / s) for t, s in parts], target
-        limit = u_max(self.config, dtype)
-        if self.bo is not None and dtype.itemsize <= 2:
-            limit = limit * self.bo
-        target = solver.merge_scale(scales, absmax, limit, sx)
-        return [self._rescale(t, target / s) for t, s in parts], target
+        backed_off = self.bo is not None and dtype.itemsize <= 2
+        extremes = [decisions.Sums(None, None, *torch.aminmax(t)) for t, _ in parts]
+        target, factors = self._math(decisions.merge, (self.config, u_max(self.config, dtype), backed_off),
+                                     [s for _, s in parts], extremes, self.bo)
+        return [self._rescale(t, f) for (t, _), f in zip(parts, factors)], target
 
     def _merged(self, sym: int, parts: list[int]) -> None:
         """A merged scale was set by the decisions behind its parts."""
@@ -644,43 +658,45 @@ class ScaledBackward:
         if g is None or incoming is None:
             self.values[p.send] = incoming
             return
-        cfg, sx = self.config, self.sm.xp
-        weight = None if cfg.model == "gradient" else self._weight(p)
+        cfg = self.config
+        ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
         cached = self._cached(p.name)
-        wcap = self._weight_grad_cap(p, g)
+        norms, rows = self._weight_grad_norms(p, g)
         counts = None
         if cached is None or cached[1] is None:
-            t, counts = cotangent_stats(g, cfg.model == "gradient",
-                                        cfg.underflow_limit if cfg.underflow_feedback else None,
-                                        self.sm is ON_HOST)
-            gs = self._stats(t)
-            ws = None if weight is None else self._stats(tensor_stats(weight, with_mean=False))
-            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx,
-                                   cached_model_scale=None if cached is None else cached[0],
-                                   backoff=self.bo, extra_cap=wcap, lift=self._lift_of(p.name, g))
+            gs, counts = cotangent_stats(g, cfg.model == "gradient",
+                                         cfg.underflow_limit if cfg.underflow_feedback else None,
+                                         self.sm is ON_HOST)
         else:  # only the overflow caps need current statistics
-            gs = self._stats(_min_max(g))
-            ws = None if weight is None else self._stats(_min_max(weight))
-            d = solver.layer_scale(cfg, gs, ws, p.fan_in, incoming, sx, cached_model_scale=cached[0],
-                                   cached_sigma=cached[1], backoff=self.bo, extra_cap=wcap)
-        behind = self.deciders.get(p.sym, frozenset())
-        if cfg.underflow_feedback:
-            nonzero, below = counts or subnormal_counts(g, cfg.underflow_limit, self.sm is ON_HOST)
-            frac = solver.subnormal_fraction_of_counts(nonzero, below, g.numel(), cfg, xp,
-                                                       self.sm.to_torch(solver.absmax(gs, sx)))
+            gs = decisions.Sums(None, None, *torch.aminmax(g))
+        if cfg.underflow_feedback and counts is None:
+            counts = subnormal_counts(g, cfg.underflow_limit, self.sm is ON_HOST)
+        behind = sorted(self.deciders.get(p.sym, frozenset()))
+        dec = self._math(decisions.layer, (cfg, p.fan_in, g.numel(), w_size, rows, self._wgrad_limit(g)),
+                         gs, ws, norms, incoming, self.bo, self._lift_of(p.name, g),
+                         None if cached is None else cached[0], None if cached is None else cached[1],
+                         counts, [self.limited[name] for name in behind])
+        d = dec.d
+        if dec.fraction is not None:
             for name in behind:
-                self.fractions[name].append(frac)
+                self.fractions[name].append(dec.fraction)
         self.deciders[p.send] = frozenset({p.name})
-        self.limited[p.name] = d.unrounded < d.model_scale
-        held: Any = False
-        for name in sorted(behind):
-            held = held | self.limited[name]
+        self.limited[p.name] = dec.limited
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
-        outgoing = incoming * d.scale
-        self.values[p.send] = outgoing
+        self.values[p.send] = dec.outgoing
         go[0] = self._rescale(g, d.scale)
-        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, outgoing,
-                                           solver.absmax(gs, sx), p.fan_in, held)
+        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
+                                           False if dec.held is None else dec.held)
+
+    def _math(self, fn: Callable[..., Any], static: tuple[Any, ...], *args: Any) -> Any:
+        """``fn(*static, xp, *args)`` (a function of :mod:`torch_bridge.decisions`) in the pass's
+        scalar namespace, its 0-d tensor arguments (statistics just read) converted to it:
+        compiled into one kernel (:attr:`fused`) where the decisions run on device tensors."""
+        if self.sm is ON_TENSORS and self.fused is not None:
+            return self.fused(fn, static, *args)
+        conv = self.sm.to_xp
+        args = torch.utils._pytree.tree_map(lambda v: conv(v) if isinstance(v, torch.Tensor) else v, args)
+        return fn(*static, self.sm.xp, *args)
 
     def _cast(self, p: NodePlan, go: list[Any]) -> None:
         present = [k for k in range(len(go)) if go[k] is not None]
@@ -701,20 +717,15 @@ class ScaledBackward:
                 go[k] = self._rescale(go[k], d.scale)
             self.decisions[p.name] = _Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
             return
-        if p.kind == "region":  # at least the region's dynamic scale (torch_bridge.regions)
-            ls = self._log_stats(g)
-            floor = self.sm.to_xp(self.region_scale(p.name, g.device)) / incoming
-            d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=sx.maximum(
-                solver.cast_model_scale(cfg, ls, sx, self.bo), floor), backoff=self.bo)
-        elif cached is None or cached[1] is None:
-            ls = self._log_stats(g)
-            d = solver.cast_scale(cfg, ls, incoming, sx,
-                                  cached_model_scale=None if cached is None else cached[0], backoff=self.bo)
+        region = self.region_scale(p.name, g.device) if p.kind == "region" else None
+        if region is not None or cached is None or cached[1] is None:
+            sums, logs = log_sums(g), None
         else:  # only the overflow cap needs a current statistic: max|g|
-            ls = cached[1]._replace(absmax=self.sm.to_xp(g.abs().amax().to(_F32)))
-            d = solver.cast_scale(cfg, ls, incoming, sx, cached_model_scale=cached[0], backoff=self.bo)
+            sums, logs = None, cached[1]._replace(absmax=g.abs().amax())
+        dec = self._math(decisions.cast, (cfg,), sums, logs, incoming, self.bo,
+                         None if cached is None or region is not None else cached[0], region)
+        d, ls, outgoing = dec
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, ls
-        outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         for k in present:
             go[k] = self._rescale(go[k], d.scale)
@@ -869,7 +880,7 @@ class ScaledBackward:
             else:  # NumPy scalars
                 from scipy.special import erfinv
             with np.errstate(divide="ignore", invalid="ignore"):  # NumPy warns where torch gives ±inf
-                signal = sm.to_torch(solver.fp8_signal(cfg, *fractions, hist.absmax, erfinv, sm.xp))
+                signal = solver.fp8_signal(cfg, *fractions, hist.absmax, erfinv, sm.xp)
             for name in behind:
                 self.fractions[name].append(signal)
         return q, gq, hist, fractions
@@ -879,25 +890,27 @@ class ScaledBackward:
         (``torch.utils.checkpoint``: reading it here would leave none for the node's backward)."""
         return read_saved(self.plan.nodes[p.index], attr)
 
-    def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
-        """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight (and bias)
-        gradient in ``g``'s 16-bit dtype from ``s·g``: a matmul (``nn.Linear``, HF ``Conv1D``,
+    def _weight_grad_norms(self, p: NodePlan, g: torch.Tensor) -> tuple[tuple[Any, Any] | None, int]:
+        """The squares of the column norms :func:`adaloss.solver.weight_grad_cap` takes (the
+        largest of ``g``'s and of ``x``'s, 0-d fp32 tensors) and the rows they sum over, for a
+        node that computes its weight (and bias) gradient in ``g``'s 16-bit dtype from ``s·g``:
+        a matmul (``nn.Linear``, HF ``Conv1D``,
         ``bmm``/``matmul`` with a parameter, ``torch._grouped_mm`` experts: batch and token
         dimensions are rows, so the bound also holds for a weight expanded over a batch, whose
         gradient sums them) or a convolution (channels are columns: every entry of
         ``dW[o, c, k…]`` sums, over batch and positions, products of ``g[:, o]`` with distinct
-        entries of ``x[:, c]``); None elsewhere (``mv``, fp32 gradients, an activation packed by
-        saved-tensor hooks)."""
+        entries of ``x[:, c]``); ``(None, 0)`` elsewhere (``mv``, fp32 gradients, an activation
+        packed by saved-tensor hooks)."""
         if not p.act_attr or g.dtype.itemsize > 2:
-            return None
+            return None, 0
         x = self._saved(p, p.act_attr)
         if x is None or x.dim() < 2 or g.dim() < 2:
-            return None
+            return None, 0
         if p.act_attr == "_saved_input":  # [N, C, spatial...] -> [N·positions, C]
             # (a strided or padded convolution reads a subset of each input channel: its
             # norm over every position still bounds the subset's)
             if x.dim() != g.dim():
-                return None
+                return None, 0
             g, x = g.transpose(0, 1).flatten(1).t(), x.transpose(0, 1).flatten(1).t()
         elif p.weight_side == 0:  # W @ x: dW = g·xᵀ, rows are the last dimension
             g = g.transpose(-1, -2).reshape(-1, g.shape[-2])
@@ -905,11 +918,39 @@ class ScaledBackward:
         else:
             g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if p.act_attr != "_saved_input" and g.shape[0] != x.shape[0]:
+            return None, 0
+        return (_sum_of_squares(g, 0).amax(), _sum_of_squares(x.detach(), 0).amax()), g.shape[0]
+
+    def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
+        """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight (and bias)
+        gradient in ``g``'s 16-bit dtype from ``s·g`` (:meth:`_weight_grad_norms`), in the
+        pass's scalar namespace; None where there is none to bound."""
+        norms, rows = self._weight_grad_norms(p, g)
+        if norms is None:
             return None
-        g_norm = _sum_of_squares(g, 0).amax().sqrt()
-        x_norm = _sum_of_squares(x.detach(), 0).amax().sqrt()
-        return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm),
-                                      g.shape[0], self.sm.xp, self.bo, self._wgrad_limit(g))
+        sx = self.sm.xp
+        return solver.weight_grad_cap(self.config, *(sx.sqrt(self.sm.to_xp(n)) for n in norms), rows, sx,
+                                      self.bo, self._wgrad_limit(g))
+
+    def _weight_stats(self, p: NodePlan) -> tuple[decisions.WeightStats, int]:
+        """The layer's weight's statistics (:func:`weight_stats`), batched for all the layers
+        at the first one a backward reaches, and its size."""
+        if self._weights is None:
+            # every layer whose weight is saved in memory now (not packed by saved-tensor
+            # hooks, nor freed until FSDP2 gathers it again for the layer's backward)
+            layers, weights = [], []
+            for q in self.plan.order:
+                w = self._saved(q, q.weight_attr) if q.kind == "layer" else None
+                if type(w) in (torch.Tensor, torch.nn.Parameter) and w.untyped_storage().nbytes() > 0:
+                    layers.append(q)
+                    weights.append(w)
+            stats = weight_stats(weights)
+            self._weights = {q.index: (st, w.numel()) for q, st, w in zip(layers, stats, weights)}
+        got = self._weights.get(p.index)
+        if got is None:
+            w = self._weight(p)
+            got = weight_stats([w])[0], w.numel()
+        return got
 
     def _wgrad_limit(self, g: torch.Tensor) -> float | None:
         """What a node's 16-bit weight gradient must stay below: ``u_max``, or with an fp8

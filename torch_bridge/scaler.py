@@ -38,6 +38,7 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
 from torch_bridge._xp import xp
+from torch_bridge.fused import FusedMath
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import (
     COMPILED_AUTOGRAD,
@@ -108,6 +109,12 @@ class AdaLossScaler:
       host_math: for CPU gradients, compute the scalar decisions on NumPy fp32
         scalars (same arithmetic, ~8x cheaper than 0-d tensors); accelerator
         gradients always use device tensors.
+      fuse_decisions: where the decisions run on device tensors (accelerator gradients, or
+        ``host_math=False``), compile each kind of decision's scalar math into one kernel
+        (:class:`torch_bridge.fused.FusedMath`: ``True`` or ``"inductor"``; ``"eager"`` runs the
+        traced graph op by op) instead of dispatching some fifty 0-d ops, each a kernel
+        launch. Each new signature (a kind of decision, a fan-in) compiles once, on first
+        use. ``False`` (default): eager ops.
       unscale_in_backward: divide each parameter's gradient by its scale as autograd
         delivers it (before it is accumulated into ``.grad``), so that ``.grad`` holds the
         true gradient (scale 1; ``unscale_`` then only checks it). Data parallelism needs
@@ -120,7 +127,7 @@ class AdaLossScaler:
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
                  enabled: bool = True, capture: bool = False, host_math: bool = True,
-                 unscale_in_backward: bool | None = None) -> None:
+                 unscale_in_backward: bool | None = None, fuse_decisions: bool | str = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
         refuse_fsdp1(model)
@@ -146,6 +153,11 @@ class AdaLossScaler:
         self._enabled = bool(enabled)
         self.capture = bool(capture)
         self.host_math = bool(host_math)
+        if not isinstance(fuse_decisions, (bool, str)):
+            raise TypeError("fuse_decisions must be a bool or a backend name, "
+                            f"got {type(fuse_decisions).__name__}")
+        self._fused = (None if fuse_decisions is False
+                       else FusedMath("inductor" if fuse_decisions is True else fuse_decisions))
         self.unscale_in_backward = unscale_in_backward
         self._at_leaf = False  # this backward unscales at the leaves
         self._ones: dict[torch.device, torch.Tensor] = {}
@@ -238,7 +250,7 @@ class AdaLossScaler:
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
-                            every_leaf=self._at_leaf, **self.levels(outputs.device))
+                            every_leaf=self._at_leaf, fused=self._fused, **self.levels(outputs.device))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)

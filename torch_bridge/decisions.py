@@ -1,0 +1,147 @@
+"""The scalar math of the backward's decisions, one pure function per kind of decision.
+
+Each takes its static arguments (hashable: the config, a fan-in, a size), an array namespace
+``xp`` and the statistics the hook read (0-d values of ``xp``, or ``None``), and returns the
+decision: the same :mod:`adaloss.solver` formulas on NumPy scalars (CPU host math), on 0-d
+device tensors, or traced and compiled into one kernel (:class:`torch_bridge.fused.FusedMath`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from adaloss import solver
+from adaloss.config import AdaLossConfig
+
+
+class Sums(NamedTuple):
+    """A tensor's sums and extremes as reductions give them: ``Σx`` (or None), ``Σx²`` (fp32),
+    and the min and max in the tensor's dtype (:func:`normalized` makes the statistics)."""
+
+    total: Any
+    sq_total: Any
+    lo: Any
+    hi: Any
+
+
+def normalized(s: Sums, size: int, xp: Any) -> solver.TensorStats:
+    """The fp32 :class:`adaloss.solver.TensorStats` of a tensor of ``size`` entries from its
+    :class:`Sums` (mean and mean square None where the sums are)."""
+    mean = None if s.total is None else xp.astype(s.total, xp.float32) / size
+    sq = None if s.sq_total is None else s.sq_total / size
+    return solver.TensorStats(mean, sq, xp.astype(s.lo, xp.float32), xp.astype(s.hi, xp.float32))
+
+
+class LogSums(NamedTuple):
+    """What :func:`adaloss.solver.log_stats_of_sums` takes, as reductions give them: the
+    non-zero entries (any dtype), ``Σ ln|x|`` over them, ``‖ln|x|‖₂`` (fp32) and ``max|x|``
+    (the tensor's dtype)."""
+
+    count: Any
+    log_sum: Any
+    log_norm: Any
+    absmax: Any
+
+
+def log_stats(s: LogSums, xp: Any) -> solver.LogStats:
+    """The :class:`adaloss.solver.LogStats` of :class:`LogSums`."""
+    return solver.log_stats_of_sums(s.count, s.log_sum, s.log_norm * s.log_norm,
+                                    xp.astype(s.absmax, xp.float32), xp)
+
+
+class WeightStats(NamedTuple):
+    """A weight's ``‖W‖₂`` (fp32) and ``max|W|``, one batched reduction each for all layers."""
+
+    norm: Any
+    absmax: Any
+
+
+def weight_stats(w: WeightStats, size: int, xp: Any) -> solver.TensorStats:
+    """The :class:`adaloss.solver.TensorStats` the decisions read of a weight (``E[W²]``,
+    ``max|W|``) from its :class:`WeightStats`."""
+    return solver.TensorStats(None, w.norm * w.norm / size, None, None, xp.astype(w.absmax, xp.float32))
+
+
+class LayerDecision(NamedTuple):
+    """What a weighted layer's hook needs of its decision."""
+
+    d: solver.LayerScale
+    outgoing: Any  # the scale the layer's input cotangent carries: ``incoming · d.scale``
+    limited: Any  # a cap or bound set the scale below the statistical one
+    held: Any  # a decision behind ``incoming`` was limited (None: none is behind it)
+    absmax: Any  # max|g|
+    fraction: Any  # the incoming cotangent's subnormal fraction (None without counts)
+
+
+def layer(config: AdaLossConfig, fan_in: int, size: int, w_size: int, rows: int, wgrad_limit: float | None,
+          xp: Any, sums: Sums, w: WeightStats | None, sq_norms: tuple[Any, Any] | None,
+          incoming: Any, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
+          counts: tuple[Any, Any] | None, behind: Sequence[Any]) -> LayerDecision:
+    """A layer's decision (:func:`adaloss.solver.layer_scale`) from its cotangent's ``sums``
+    (``size`` entries), its weight's statistics ``w`` (``w_size`` entries), the largest squared
+    column norms ``sq_norms`` of ``g`` and ``x`` for the 16-bit weight gradient it computes over
+    ``rows`` rows (:func:`adaloss.solver.weight_grad_cap`), the scale it receives and a cached
+    statistical scale; with ``counts`` (non-zero, below ``u_min``) the cotangent's subnormal
+    fraction; ``behind``: the ``limited`` flags of the decisions that set ``incoming``."""
+    g = normalized(sums, size, xp)
+    cap = None if sq_norms is None else solver.weight_grad_cap(
+        config, xp.sqrt(sq_norms[0]), xp.sqrt(sq_norms[1]), rows, xp, backoff, wgrad_limit)
+    w = None if w is None else weight_stats(w, w_size, xp)
+    d = solver.layer_scale(config, g, w, fan_in, incoming, xp, cached_model_scale=cached_scale,
+                           cached_sigma=cached_sigma, backoff=backoff, extra_cap=cap, lift=lift)
+    absmax = solver.absmax(g, xp)
+    fraction = (None if counts is None
+                else solver.subnormal_fraction_of_counts(*counts, size, config, xp, absmax))
+    held = behind[0] if behind else None
+    for flag in behind[1:]:
+        held = held | flag
+    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, held, absmax, fraction)
+
+
+class CastDecision(NamedTuple):
+    """What a narrowing cast's (or an opaque region's) hook needs of its decision."""
+
+    d: solver.LayerScale
+    logs: solver.LogStats
+    outgoing: Any
+
+
+def cast(config: AdaLossConfig, xp: Any, sums: LogSums | None, cached_logs: solver.LogStats | None,
+         incoming: Any, backoff: Any, cached_scale: Any, region: Any) -> CastDecision:
+    """A cast's decision (:func:`adaloss.solver.cast_scale`) from the :class:`LogSums` of
+    ``g`` or cached log-statistics (their ``absmax`` current, in ``g``'s dtype); with ``region``
+    (an opaque region's dynamic scale) at least ``region / incoming``."""
+    if sums is None:
+        ls = cached_logs._replace(absmax=xp.astype(cached_logs.absmax, xp.float32))
+    else:
+        ls = log_stats(sums, xp)
+    if region is not None:
+        cached_scale = xp.maximum(solver.cast_model_scale(config, ls, xp, backoff), region / incoming)
+    d = solver.cast_scale(config, ls, incoming, xp, cached_model_scale=cached_scale, backoff=backoff)
+    return CastDecision(d, ls, incoming * d.scale)
+
+
+def merge(config: AdaLossConfig, limit: float, backed_off: bool, xp: Any, scales: Sequence[Any],
+          parts: Sequence[Sums], backoff: Any) -> tuple[Any, list[Any]]:
+    """The common scale of contributions carrying ``scales`` whose min and max are ``parts``'s
+    (:func:`adaloss.solver.merge_scale`, below ``limit``, times ``backoff`` if ``backed_off``;
+    :func:`adaloss.solver.fp8_merge_scale` with an fp8 format), and each part's factor to it."""
+    absmax = [solver.absmax(normalized(t, 1, xp), xp) for t in parts]
+    if config.fp8:  # the sum goes to an fp8 cast: fitted to it
+        target = solver.fp8_merge_scale(config, scales, absmax, xp, backoff)
+    else:
+        target = solver.merge_scale(scales, absmax, limit * backoff if backed_off else limit, xp)
+    return target, [target / s for s in scales]
+
+
+def signals(config: AdaLossConfig, weights: tuple[str, ...], xp: Any,
+            fractions: Sequence[Sequence[Any]], limited: Sequence[Any]) -> list[Any]:
+    """Per decision (``weights[i]`` its weight), :func:`adaloss.solver.underflow_ratio` of its
+    ``fractions`` held by its ``limited`` flag; a weight's decisions combined
+    (:func:`adaloss.solver.combine_signals`): one value per distinct weight, in first-seen order."""
+    out: dict[str, Any] = {}
+    for w, fracs, lim in zip(weights, fractions, limited):
+        r = solver.underflow_ratio(fracs, lim, config, xp)
+        out[w] = r if w not in out else solver.combine_signals(config, out[w], r, xp)
+    return list(out.values())
