@@ -145,3 +145,15 @@ def signals(config: AdaLossConfig, weights: tuple[str, ...], xp: Any,
         r = solver.underflow_ratio(fracs, lim, config, xp)
         out[w] = r if w not in out else solver.combine_signals(config, out[w], r, xp)
     return list(out.values())
+
+
+def levels(config: AdaLossConfig, xp: Any, h: Any, good: Any, lifts: Sequence[Any], ratios: Sequence[Any],
+           found: Any) -> tuple[Any, Any, list[Any]]:
+    """The scaler's state after a step (``found``: its count of non-finite gradients): the
+    back-off exponent and its count of finite steps (:func:`adaloss.solver.backoff_update`;
+    ``h`` None: no back-off), and each lift exponent after its decisions' underflow ratio
+    (:func:`adaloss.solver.lift_update`)."""
+    finite = found == 0
+    if h is not None:
+        h, good = solver.backoff_update(config, h, good, finite, xp)
+    return h, good, [solver.lift_update(config, k, r, finite, xp) for k, r in zip(lifts, ratios)]

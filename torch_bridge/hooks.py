@@ -696,7 +696,8 @@ class ScaledBackward:
             return self.fused(fn, static, *args)
         conv = self.sm.to_xp
         args = torch.utils._pytree.tree_map(lambda v: conv(v) if isinstance(v, torch.Tensor) else v, args)
-        return fn(*static, self.sm.xp, *args)
+        with np.errstate(all="ignore"):  # a non-finite gradient: inf and NaN, as torch makes them
+            return fn(*static, self.sm.xp, *args)
 
     def _cast(self, p: NodePlan, go: list[Any]) -> None:
         present = [k for k in range(len(go)) if go[k] is not None]
