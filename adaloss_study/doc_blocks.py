@@ -163,7 +163,30 @@ def cost(docs: Path) -> str:
                      f"{stats_free['step_ms'] / v['jax']['step_ms']:.2f}× with every statistic free.")
     if (docs / "gpu_cost.json").exists():
         lines += gpu_cost_summary(docs)
+    if (docs / "torch_step.json").exists():
+        lines += torch_ops_summary(docs)
     return "\n".join(lines)
+
+
+def torch_ops_summary(docs: Path) -> list[str]:
+    """The aten ops a PyTorch training step dispatches (each one or more GPU kernels),
+    ``AdaLossScaler`` against ``torch.amp.GradScaler`` (``docs/torch_step.json``)."""
+    payload = _json(docs, "torch_step.json")
+    rows = payload["rows"]
+
+    def span(method: str) -> str:
+        got = [r["ops"][method] / r["ops"]["GradScaler"] for r in rows if method in r["ops"]]
+        lo, hi = f"{min(got):.2f}", f"{max(got):.2f}"
+        return f"{lo}×" if lo == hi else f"{lo}-{hi}×"
+    names = f"{rows[0]['model']} to {rows[-1]['model']}" if len(rows) > 1 else rows[0]["model"]
+    dtype = payload.get("dtype", "float16")
+    out = [f"- **torch, HF {names}, aten ops per training step** (`benchmarks/torch_step.py`, "
+           f"{dtype}; each op is one or more kernels on a GPU): decisions on device tensors "
+           f"{span('AdaLossScaler, device math')} `torch.amp.GradScaler`'s"]
+    if all("AdaLossScaler, device math, fused" in r["ops"] for r in rows):
+        out[0] += f", compiled (`fuse_decisions=True`) {span('AdaLossScaler, device math, fused')}"
+    out[0] += f"; on host scalars (a CPU's default) {span('AdaLossScaler')}."
+    return out
 
 
 def departures(docs: Path) -> str:

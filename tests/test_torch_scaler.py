@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch_models import MLP, make_case, xent
 
-from torch_bridge import AdaLossConfig, AdaLossScaler, _xp
+from torch_bridge import AdaLossConfig, AdaLossScaler, _xp, decisions
+from torch_bridge.fused import FusedMath
 
 
 def _batch(seed=0):
@@ -109,6 +110,9 @@ def test_bad_arguments_raise():
         AdaLossScaler(MLP(), fuse_decisions=1)
     with pytest.raises(ValueError, match="backend"):
         AdaLossScaler(MLP(), fuse_decisions="tvm")
+    fused = FusedMath("eager")
+    with pytest.raises(TypeError, match="0-d tensors"):  # a decision reads statistics, not tensors
+        fused(decisions.cast, (AdaLossConfig(),), None, None, torch.ones(3), None, None, None)
     with pytest.raises(TypeError, match="AdaLossConfig"):
         AdaLossScaler(MLP(), {"threshold": 1e-3})
     scaler = AdaLossScaler(MLP())
