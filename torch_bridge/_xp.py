@@ -37,6 +37,17 @@ xp = _namespace(_compat_torch, torch,
 np_xp = _namespace(_compat_np, np, lambda x, dtype, /, *, copy=False: np.asarray(x).astype(dtype, copy=copy))
 
 
+def _np_clip(x: Any, /, min: Any = None, max: Any = None) -> Any:  # noqa: A002 (the standard's names)
+    """The standard's ``clip`` on NumPy scalars in two ufuncs (NaN stays NaN), ~5x faster than
+    ``array_api_compat``'s general one on a 0-d value."""
+    if min is not None:
+        x = np.maximum(x, min)
+    return x if max is None else np.minimum(x, max)
+
+
+np_xp.clip = _np_clip
+
+
 class ScalarMath(NamedTuple):
     """Where a backward's scalar decisions are computed: ``xp`` with converters."""
 

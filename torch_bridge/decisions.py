@@ -51,16 +51,18 @@ def log_stats(s: LogSums, xp: Any) -> solver.LogStats:
 
 
 class WeightStats(NamedTuple):
-    """A weight's ``‖W‖₂`` (fp32) and ``max|W|``, one batched reduction each for all layers."""
+    """A weight's ``Σ W²`` (fp32) and extremes in its dtype (its min and max, or ``max|W|``
+    twice), read for all the layers at once."""
 
-    norm: Any
-    absmax: Any
+    sq_total: Any
+    lo: Any
+    hi: Any
 
 
 def weight_stats(w: WeightStats, size: int, xp: Any) -> solver.TensorStats:
     """The :class:`adaloss.solver.TensorStats` the decisions read of a weight (``E[W²]``,
     ``max|W|``) from its :class:`WeightStats`."""
-    return solver.TensorStats(None, w.norm * w.norm / size, None, None, xp.astype(w.absmax, xp.float32))
+    return normalized(Sums(None, w.sq_total, w.lo, w.hi), size, xp)
 
 
 class LayerDecision(NamedTuple):
