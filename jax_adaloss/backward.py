@@ -1169,19 +1169,26 @@ def _settled(x: Any, inverses: dict[int, tuple[Any, Any]] | None = None) -> Any:
     return jax.tree.unflatten(tree, list(out[:n]))
 
 
+#: the most values :func:`_materialized` computes in one kernel: XLA fuses the formulas of a
+#: few into the reduction; of many more (64: the LM's 32 blocks) it keeps each its own kernel
+MAX_MATERIALIZED = 16
+
+
 def _materialized(x: Any) -> Any:
-    """``x`` (fp32 scalars of any sign, NaN kept), unchanged, as the results of one variadic
-    reduction (``max(v, -inf)``): one kernel computes them all. Values each read only by the
-    program's outputs (the per-weight underflow signals) would otherwise be computed by a
-    scalar kernel each on a GPU."""
+    """``x`` (fp32 scalars of any sign, NaN kept), unchanged, as the results of variadic
+    reductions (``max(v, -inf)``) of at most :data:`MAX_MATERIALIZED` each: one kernel computes
+    them. Values each read only by the program's outputs (the per-weight underflow signals)
+    would otherwise be computed by a scalar kernel each on a GPU."""
     leaves, tree = jax.tree.flatten(x)
     if len(leaves) < 2:
         return x
     low = jnp.array([0.0, -jnp.inf], _F32)
-    operands = [jnp.where(low < 0, low, jnp.asarray(v, _F32)) for v in leaves]
-    out = jax.lax.reduce(tuple(operands), (_F32(-jnp.inf),) * len(operands),
-                         lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)), (0,))
-    return jax.tree.unflatten(tree, list(out))
+    out: list[Any] = []
+    for k in range(0, len(leaves), MAX_MATERIALIZED):
+        operands = [jnp.where(low < 0, low, jnp.asarray(v, _F32)) for v in leaves[k:k + MAX_MATERIALIZED]]
+        out += jax.lax.reduce(tuple(operands), (_F32(-jnp.inf),) * len(operands),
+                              lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)), (0,))
+    return jax.tree.unflatten(tree, out)
 
 
 def _stored(x: Any) -> Any:
