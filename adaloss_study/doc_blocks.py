@@ -186,6 +186,11 @@ def torch_ops_summary(docs: Path) -> list[str]:
     if all("AdaLossScaler, device math, fused" in r["ops"] for r in rows):
         out[0] += f", compiled (`fuse_decisions=True`) {span('AdaLossScaler, device math, fused')}"
     out[0] += f"; on host scalars (a CPU's default) {span('AdaLossScaler')}."
+    if (docs / "torch_step_bf16.json").exists():  # bf16 GEMMs: fast on a CPU, as fp16's are on a GPU
+        bf16 = _json(docs, "torch_step_bf16.json")
+        t = [r["median_ms"]["AdaLossScaler"] / r["median_ms"]["GradScaler"] for r in bf16["rows"]]
+        out.append(f"- **torch, the same models, step time with bf16 autocast** (`{bf16['command']}`, "
+                   f"`{bf16['machine']}`): {min(t):.2f}-{max(t):.2f}× `torch.amp.GradScaler`'s.")
     return out
 
 

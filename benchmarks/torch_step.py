@@ -2,6 +2,7 @@
 per step (each one or more GPU kernels) and CPU step time, on HF GPT-2.
 
     python benchmarks/torch_step.py                  # docs/torch_step.json, table printed
+    python benchmarks/torch_step.py --repeats 3 --dtype bfloat16 --json docs/torch_step_bf16.json
     python benchmarks/torch_step.py --models gpt2-2x128 --repeats 3 --json /tmp/torch_step.json
 
 Models (``transformers.GPT2LMHeadModel``, vocab 1000, 64 positions): ``gpt2-2x128`` (the torch
@@ -148,7 +149,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     rows = [measure(m, args.batch, args.seq, args.repeats, args.steps, tuple(args.methods), dtype)
             for m in args.models]
-    payload = {"command": "python benchmarks/torch_step.py", "machine": machine("torch"), "batch": args.batch,
+    command = "python benchmarks/torch_step.py"
+    if args.dtype != "float16":
+        command += f" --dtype {args.dtype}"
+    payload = {"command": command, "machine": machine("torch"), "batch": args.batch,
                "seq": args.seq, "dtype": args.dtype, "repeats": args.repeats, "steps": args.steps,
                "rows": rows}
     args.json.write_text(json.dumps(payload, indent=1))
