@@ -268,7 +268,8 @@ def at_most(cap: Array, xp: Any) -> Array:
 
 
 def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array, rows: int,
-                    xp: Any, backoff: Array | None = None, limit: float | None = None) -> Array:
+                    xp: Any, backoff: Array | None = None, limit: float | None = None,
+                    root_rows: Array | None = None) -> Array:
     """Largest scale that keeps a weight gradient computed in the gradient format finite.
 
     For ``dW = xᵀ·(s·g)`` summed over ``rows`` rows, Cauchy-Schwarz bounds every entry by
@@ -279,9 +280,9 @@ def weight_grad_cap(config: AdaLossConfig, g_col_norm: Array, x_col_norm: Array,
     where a framework computes the weight gradient in 16 bits (a PyTorch layer node under
     autocast); JAX computes it in fp32 and needs no such cap. ``limit``: the largest finite value
     of the dtype it is computed in (default ``u_max``; with an fp8 ``grad_format``, the 16-bit
-    dtype's).
+    dtype's). ``root_rows``: ``√rows`` already as a value of ``xp`` (``rows`` is then unread).
     """
-    m = g_col_norm * xp.clip(x_col_norm, min=float(rows) ** 0.5)
+    m = g_col_norm * xp.clip(x_col_norm, min=float(rows) ** 0.5 if root_rows is None else root_rows)
     return _backed_off(_cap(config.overflow_limit if limit is None else limit, m, xp), backoff)
 
 

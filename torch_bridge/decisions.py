@@ -76,19 +76,21 @@ class LayerDecision(NamedTuple):
     fraction: Any  # the incoming cotangent's subnormal fraction (None without counts)
 
 
-def layer(config: AdaLossConfig, fan_in: int, size: int, w_size: int, rows: int, wgrad_limit: float | None,
-          xp: Any, sums: Sums, w: WeightStats | None, sq_norms: tuple[Any, Any] | None,
+def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | None, xp: Any,
+          size: Any, sums: Sums, w: WeightStats | None, sq_norms: tuple[Any, Any] | None, root_rows: Any,
           incoming: Any, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
           counts: tuple[Any, Any] | None, behind: Sequence[Any]) -> LayerDecision:
     """A layer's decision (:func:`adaloss.solver.layer_scale`) from its cotangent's ``sums``
-    (``size`` entries), its weight's statistics ``w`` (``w_size`` entries), the largest squared
-    column norms ``sq_norms`` of ``g`` and ``x`` for the 16-bit weight gradient it computes over
-    ``rows`` rows (:func:`adaloss.solver.weight_grad_cap`), the scale it receives and a cached
-    statistical scale; with ``counts`` (non-zero, below ``u_min``) the cotangent's subnormal
-    fraction; ``behind``: the ``limited`` flags of the decisions that set ``incoming``."""
+    (``size`` entries: a number, or an integer value of ``xp``), its weight's statistics ``w``
+    (``w_size`` entries), the largest squared column norms ``sq_norms`` of ``g`` and ``x`` for
+    the 16-bit weight gradient it computes over ``root_rows²`` rows
+    (:func:`adaloss.solver.weight_grad_cap`), the scale it receives and a cached statistical
+    scale; with ``counts`` (non-zero, below ``u_min``) the cotangent's subnormal fraction;
+    ``behind``: the ``limited`` flags of the decisions that set ``incoming``. The sizes are
+    arguments, not static: a cotangent's size follows the batch."""
     g = normalized(sums, size, xp)
     cap = None if sq_norms is None else solver.weight_grad_cap(
-        config, xp.sqrt(sq_norms[0]), xp.sqrt(sq_norms[1]), rows, xp, backoff, wgrad_limit)
+        config, xp.sqrt(sq_norms[0]), xp.sqrt(sq_norms[1]), 0, xp, backoff, wgrad_limit, root_rows=root_rows)
     w = None if w is None else weight_stats(w, w_size, xp)
     d = solver.layer_scale(config, g, w, fan_in, incoming, xp, cached_model_scale=cached_scale,
                            cached_sigma=cached_sigma, backoff=backoff, extra_cap=cap, lift=lift)

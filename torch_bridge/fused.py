@@ -46,6 +46,17 @@ class FusedMath:
         self.backend = backend
         # key -> (compiled graph, (which output leaves are tensors, the outputs' tree))
         self._compiled: dict[Hashable, tuple[Callable[..., Any], Any]] = {}
+        self._constants: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``value`` as a 0-d tensor on ``device``, made once (a size that follows the batch is
+        an argument of the compiled decision, not baked into it; on an accelerator, a fresh
+        tensor from a Python number would be a copy from the host each time)."""
+        key = (value, dtype, device)
+        got = self._constants.get(key)
+        if got is None:
+            got = self._constants[key] = torch.tensor(value, dtype=dtype, device=device)
+        return got
 
     def __len__(self) -> int:
         """How many graphs were compiled."""

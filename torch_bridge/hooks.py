@@ -706,8 +706,12 @@ class ScaledBackward:
         if cfg.underflow_feedback and counts is None:
             counts = subnormal_counts(g, cfg.underflow_limit, self.sm is ON_HOST)
         behind = sorted(self.deciders.get(p.sym, frozenset()))
-        dec = self._math(decisions.layer, (cfg, p.fan_in, g.numel(), w_size, rows, self._wgrad_limit(g)),
-                         gs, ws, norms, incoming, self.bo, self._lift_of(p.name, g),
+        size, root_rows = g.numel(), float(rows) ** 0.5
+        if self.sm is ON_TENSORS and self.fused is not None:  # values, not static: no compile per batch
+            size = self.fused.constant(size, torch.int64, g.device)
+            root_rows = self.fused.constant(root_rows, _F32, g.device)
+        dec = self._math(decisions.layer, (cfg, p.fan_in, w_size, self._wgrad_limit(g)),
+                         size, gs, ws, norms, root_rows, incoming, self.bo, self._lift_of(p.name, g),
                          None if cached is None else cached[0], None if cached is None else cached[1],
                          counts, [self.limited[name] for name in behind])
         d = dec.d
