@@ -13,7 +13,8 @@ scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each i
 CPU the default computes them on NumPy scalars); ``..., fused``: the same with
 ``fuse_decisions=True`` (each decision one inductor-compiled call; compiled in the warm-up
 steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a CPU without fp16 GEMM kernels,
-whose fp16 GEMMs dominate the step). Ops: every aten op dispatched in one
+whose fp16 GEMMs dominate the step). ``--device cuda``: on a GPU (each step synchronized), the
+device check ``fuse_decisions`` has not had yet. Ops: every aten op dispatched in one
 step (a ``TorchDispatchMode`` counting them, views included, the backward's too), the mean of 3
 steps; per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
 the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
@@ -64,24 +65,28 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
                                       n_head=4))
 
 
-def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = torch.float16
-            ) -> tuple[Callable[[], None], Any]:
-    """One training step of ``method`` on a fresh copy of the model, and its scaler."""
-    model = build(name)
+def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = torch.float16,
+            device: str = "cpu") -> tuple[Callable[[], None], Any]:
+    """One training step of ``method`` on a fresh copy of the model on ``device``, and its
+    scaler; the step returns once the device has finished it."""
+    model = build(name).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     config = torch_bridge.AdaLossConfig(grad_format=str(dtype).removeprefix("torch."))
-    scaler = (torch.amp.GradScaler("cpu") if method == "GradScaler" else
+    kind = torch.device(device).type
+    scaler = (torch.amp.GradScaler(kind) if method == "GradScaler" else
               torch_bridge.AdaLossScaler(model, config, host_math="device math" not in method,
                                          fuse_decisions=method.endswith("fused")))
-    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(kind, dtype=dtype):
             loss = model(input_ids=ids, labels=ids).loss
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
+        if kind == "cuda":
+            torch.cuda.synchronize()
     for _ in range(2):  # warm-up: the scaler's plan, the optimizer's state
         step()
     return step, scaler
@@ -95,8 +100,8 @@ def count_ops(step: Callable[[], None], steps: int = 3) -> Counter[str]:
 
 
 def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: tuple[str, ...] = METHODS,
-            dtype: torch.dtype = torch.float16) -> dict[str, Any]:
-    runs = {m: stepper(name, m, batch, seq, dtype) for m in methods}
+            dtype: torch.dtype = torch.float16, device: str = "cpu") -> dict[str, Any]:
+    runs = {m: stepper(name, m, batch, seq, dtype, device) for m in methods}
     ops = {m: count_ops(step) for m, (step, _) in runs.items()}
     rounds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in tqdm(range(repeats), desc=name, leave=False):
@@ -141,20 +146,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
                     help="the autocast dtype (and the gradient format)")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cuda: a GPU's kernels, timed)")
     ap.add_argument("--json", type=Path, default=Path("docs/torch_step.json"))
     args = ap.parse_args(argv)
     if "GradScaler" not in args.methods:
         ap.error("--methods must include GradScaler (the baseline)")
     warnings.simplefilter("ignore")  # transformers' config notes
     dtype = getattr(torch, args.dtype)
-    rows = [measure(m, args.batch, args.seq, args.repeats, args.steps, tuple(args.methods), dtype)
-            for m in args.models]
+    rows = [measure(m, args.batch, args.seq, args.repeats, args.steps, tuple(args.methods), dtype,
+                    args.device) for m in args.models]
     command = "python benchmarks/torch_step.py"
     if args.dtype != "float16":
         command += f" --dtype {args.dtype}"
-    payload = {"command": command, "machine": machine("torch"), "batch": args.batch,
-               "seq": args.seq, "dtype": args.dtype, "repeats": args.repeats, "steps": args.steps,
-               "rows": rows}
+    if args.device != "cpu":
+        command += f" --device {args.device}"
+    payload = {"command": command, "machine": machine("torch"), "device": args.device,
+               "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "repeats": args.repeats,
+               "steps": args.steps, "rows": rows}
     args.json.write_text(json.dumps(payload, indent=1))
     print(table(payload))
     return payload
