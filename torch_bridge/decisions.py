@@ -65,6 +65,14 @@ def weight_stats(w: WeightStats, size: int, xp: Any) -> solver.TensorStats:
     return normalized(Sums(None, w.sq_total, w.lo, w.hi), size, xp)
 
 
+def weight_grad_cap(config: AdaLossConfig, limit: float | None, xp: Any, sq_norms: tuple[Any, Any],
+                    root_rows: Any, backoff: Any) -> Any:
+    """:func:`adaloss.solver.weight_grad_cap` from the largest squared column norms of ``g`` and
+    ``x`` over ``root_rows²`` rows, for a 16-bit weight gradient that must stay below ``limit``."""
+    return solver.weight_grad_cap(config, xp.sqrt(sq_norms[0]), xp.sqrt(sq_norms[1]), 0, xp, backoff, limit,
+                                  root_rows=root_rows)
+
+
 class LayerDecision(NamedTuple):
     """What a weighted layer's hook needs of its decision."""
 
@@ -89,8 +97,7 @@ def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | 
     ``behind``: the ``limited`` flags of the decisions that set ``incoming``. The sizes are
     arguments, not static: a cotangent's size follows the batch."""
     g = normalized(sums, size, xp)
-    cap = None if sq_norms is None else solver.weight_grad_cap(
-        config, xp.sqrt(sq_norms[0]), xp.sqrt(sq_norms[1]), 0, xp, backoff, wgrad_limit, root_rows=root_rows)
+    cap = None if sq_norms is None else weight_grad_cap(config, wgrad_limit, xp, sq_norms, root_rows, backoff)
     w = None if w is None else weight_stats(w, w_size, xp)
     d = solver.layer_scale(config, g, w, fan_in, incoming, xp, cached_model_scale=cached_scale,
                            cached_sigma=cached_sigma, backoff=backoff, extra_cap=cap, lift=lift)

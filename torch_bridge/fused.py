@@ -8,8 +8,9 @@ aten ops, each a kernel launch, against a handful for the statistics it reads. A
 compiles that graph with inductor (one kernel), so that a decision costs one launch.
 
 The function is pure: 0-d fp32 tensors (or ``None``, in any pytree of tuples and
-NamedTuples) in, such a pytree out; everything else it reads (the config, a fan-in, a
-size) is a *static* argument, part of the cache key, baked into the graph. Compiled code
+NamedTuples) in, such a pytree out; everything else it reads (the config, a fan-in) is a
+*static* argument, part of the cache key, baked into the graph (what follows the batch, a
+cotangent's size, is an argument: :meth:`FusedMath.constant`). Compiled code
 computes each operation once in fp32, as JAX and NumPy do (eager torch divides a Python number
 by a tensor as a reciprocal times the number, two roundings): the scales, powers of two, are
 the same; an unrounded statistic may differ from eager device math in its last bit.

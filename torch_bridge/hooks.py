@@ -279,12 +279,14 @@ def cotangent_stats(g: torch.Tensor, with_mean: bool, limit: float | None, host:
 def _to_torch_all(tree: Any, sm: ScalarMath) -> Any:
     """``tree`` (values of ``sm``'s namespace in dicts, tuples and NamedTuples) as fp32 0-d
     tensors; NumPy scalars all through one array (one tensor, its views), not one each."""
+    def value(v: Any) -> bool:
+        return not isinstance(v, (tuple, list, dict))
     if sm is not ON_HOST:
-        return _converted(tree, sm.to_torch, leaf=lambda v: not isinstance(v, (tuple, list, dict)))
+        return _converted(tree, sm.to_torch, value)
     flat: list[Any] = []
-    _converted(tree, flat.append, leaf=lambda v: not isinstance(v, (tuple, list, dict)))
+    _converted(tree, flat.append, value)
     views = iter(torch.from_numpy(np.asarray(flat, dtype=np.float32).reshape(-1)).unbind() if flat else ())
-    return _converted(tree, lambda _: next(views), leaf=lambda v: not isinstance(v, (tuple, list, dict)))
+    return _converted(tree, lambda _: next(views), value)
 
 
 def _converted(v: Any, conv: Callable[[Any], Any],
@@ -965,9 +967,8 @@ class ScaledBackward:
         norms, rows = self._weight_grad_norms(p, g)
         if norms is None:
             return None
-        sx = self.sm.xp
-        return solver.weight_grad_cap(self.config, *(sx.sqrt(self.sm.to_xp(n)) for n in norms), rows, sx,
-                                      self.bo, self._wgrad_limit(g))
+        return decisions.weight_grad_cap(self.config, self._wgrad_limit(g), self.sm.xp,
+                                         tuple(map(self.sm.to_xp, norms)), float(rows) ** 0.5, self.bo)
 
     def _weight_stats(self, p: NodePlan) -> tuple[decisions.WeightStats, int]:
         """The layer's weight's statistics (:func:`weight_stats`), batched for all the layers

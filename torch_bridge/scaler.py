@@ -488,35 +488,22 @@ class AdaLossScaler:
         found_inf = [f for s in self._per_optimizer.values() for f in s["found_inf"].values()]
         if self._regions:
             self._regions.update(found_inf)
+        h, good = self._backoff if self._backoff is not None else (None, None)
+        by_device: dict[torch.device, list[str]] = {} if h is None else {h.device: []}
         for name, ratio in self._ratio.items():
             if name not in self._lift:
                 self._lift[name] = torch.zeros((), dtype=torch.int32, device=ratio.device)
-        names = list(self._ratio)
-        lifts = [self._lift[n] for n in names]
-        h, good = self._backoff if self._backoff is not None else (None, None)
-        devices = {t.device for t in lifts} | ({h.device} if h is not None else set())
-        if not devices:
-            pass
-        elif self._fused is not None and len(devices) == 1:  # one compiled kernel for all
-            (dev,) = devices
+            by_device.setdefault(self._lift[name].device, []).append(name)
+        for dev, names in by_device.items():  # one compiled kernel per device with fuse_decisions
+            here = h is not None and h.device == dev
+            state = [h if here else None, good if here else None, *(self._lift[n] for n in names)]
             ratios = [self._ratio[n].to(dev) for n in names]
-            found = found_total(found_inf, dev)
-            new_h, new_good, new_lifts = self._fused(decisions.levels, (self._config,), h, good, lifts,
-                                                     ratios, found)
-            for old, new in zip([h, good, *lifts], [new_h, new_good, *new_lifts]):
+            args = (*state[:2], state[2:], ratios, found_total(found_inf, dev))
+            new_h, new_good, new_lifts = (decisions.levels(self._config, xp, *args) if self._fused is None
+                                          else self._fused(decisions.levels, (self._config,), *args))
+            for old, value in zip(state, [new_h, new_good, *new_lifts]):
                 if old is not None:
-                    old.copy_(new)
-        else:
-            if h is not None:
-                finite = found_total(found_inf, h.device) == 0
-                new_h, new_good = solver.backoff_update(self._config, h, good, finite, xp)
-                h.copy_(new_h)
-                good.copy_(new_good)
-            finite_on: tuple[torch.device, torch.Tensor] | None = None  # computed once per device
-            for name, k in zip(names, lifts):
-                if finite_on is None or finite_on[0] != k.device:
-                    finite_on = (k.device, found_total(found_inf, k.device) == 0)
-                k.copy_(solver.lift_update(self._config, k, self._ratio[name].to(k.device), finite_on[1], xp))
+                    old.copy_(value)
         self._ratio = {}
         self._per_optimizer.clear()
         self._pending.clear()
