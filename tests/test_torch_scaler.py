@@ -277,6 +277,27 @@ def test_fused_decisions_leave_no_scalar_op_to_the_backward():
         assert torch.equal(a, b)
 
 
+def test_fused_update_moves_the_backoff_and_lifts_as_the_op_by_op_one():
+    """The scaler's ``update()`` as one compiled call (``fuse_decisions``) leaves the back-off
+    and every lift where device math op by op does, after a skipped (non-finite) step and
+    steps whose underflow raises lifts."""
+    states = []
+    for fuse in (False, "eager"):
+        model, x, y = make_case("gpt")
+        scaler = AdaLossScaler(model, host_math=False, fuse_decisions=fuse)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = scaler.scale((float("inf") if step == 1 else 1e-4) * xent(model(x), y))
+            loss.backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        states.append((scaler.backoff, scaler.lift))
+    assert states[0] == states[1]
+    assert states[0][0] == 1 and states[0][1], states  # the skipped step backed off; lifts moved
+
+
 def test_enabled_false_is_a_pass_through():
     torch.manual_seed(0)
     model = MLP()
