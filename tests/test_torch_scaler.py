@@ -4,6 +4,7 @@ checkpointing, telemetry, host synchronisation."""
 import gc
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,10 @@ def test_bad_arguments_raise():
     fused = FusedMath("eager")
     with pytest.raises(TypeError, match="0-d tensors"):  # a decision reads statistics, not tensors
         fused(decisions.cast, (AdaLossConfig(),), None, None, torch.ones(3), None, None, None)
+    with pytest.raises(TypeError, match="tensors, got float"):  # a number would be baked in
+        fused.call(decisions.cast, (AdaLossConfig(),), None, None, 1.0, None, None, None)
+    with pytest.raises(ValueError, match="max_shapes"):
+        FusedMath(max_shapes=0)
     with pytest.raises(TypeError, match="AdaLossConfig"):
         AdaLossScaler(MLP(), {"threshold": 1e-3})
     scaler = AdaLossScaler(MLP())
@@ -227,54 +232,100 @@ def test_host_math_and_device_math_decide_identically(name):
 
 
 class _SolverOps(TorchDispatchMode):
-    """Counts the aten ops dispatched from the decisions' formulas (a frame of
-    ``adaloss/solver.py`` or ``torch_bridge/decisions.py`` on the stack)."""
+    """Counts the aten ops dispatched from the decisions' code (a frame of ``adaloss/solver.py``,
+    ``torch_bridge/decisions.py`` or ``torch_bridge/kernels.py`` on the stack) and all of them."""
+
+    FILES = ("adaloss/solver.py", "torch_bridge/decisions.py", "torch_bridge/kernels.py")
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
         f = sys._getframe(1)
         while f is not None:
-            if f.f_code.co_filename.endswith(("adaloss/solver.py", "torch_bridge/decisions.py")):
+            if f.f_code.co_filename.endswith(self.FILES):
                 self.count += 1
                 break
             f = f.f_back
         return func(*args, **(kwargs or {}))
 
 
-def test_fused_decisions_leave_no_scalar_op_to_the_backward():
-    """With ``fuse_decisions`` every decision's scalar math runs as its compiled graph (one
-    kernel with inductor): once traced, the backward dispatches no op of the formulas; a kind
-    of decision compiles once, whatever the batch's size; the gradients are those of device
-    math op by op."""
+def _fused_steps(fuse, batches, case="gpt"):
+    """Train ``case`` one step per row count in ``batches`` with ``fuse_decisions=fuse``
+    (decisions on tensors); per step: the decisions' ops, all ops of the backward, the graphs
+    compiled after it; and the first step's gradients."""
+    model, x, y = make_case(case)
+    scaler = AdaLossScaler(model, host_math=False, fuse_decisions=fuse)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    steps, grads = [], None
+    for rows in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = scaler.scale(1e-4 * xent(model(x[:rows]), y[:rows]))
+        mode = _SolverOps()
+        with mode:
+            loss.backward()
+        steps.append((mode.count, mode.total, len(scaler._fused) if fuse else 0))
+        if grads is None:
+            grads = [p.grad.clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return steps, grads
+
+
+def test_fused_decisions_run_each_decision_as_one_compiled_call():
+    """With ``fuse_decisions`` each decision (its statistics, math and rescale) runs as its
+    compiled graph: once traced, the backward dispatches no op of the decisions' code; a batch
+    of a new size compiles its shapes once; the
+    gradients are those of device math op by op (the same scales: powers of two)."""
     torch.manual_seed(0)
-    grads = []
-    for fuse in (False, "eager"):
+    batches = (8, 8, 8, 5, 5)  # the first two trace (the second has the scaler's state)
+    fused, fused_grads = _fused_steps("eager", batches)
+    plain, plain_grads = _fused_steps(False, batches)
+    assert fused[2][0] == fused[4][0] == 0, fused  # nothing of the decisions' code ran op by op
+    assert all(c > 0 for c, _, _ in plain)
+    assert fused[3][2] > fused[2][2] == fused[1][2]  # a new batch size: its shapes compiled
+    assert fused[4][2] == fused[3][2]  # once
+    assert 3 <= fused[2][2] <= 24  # layers of two fan-ins, casts, merges, the update's signals
+    for a, b in zip(fused_grads, plain_grads):
+        assert torch.equal(a, b)
+
+
+def test_fused_decisions_beyond_max_shapes_warn_and_run_op_by_op():
+    """A decision compiled for ``max_shapes`` shapes already warns (once, with the remedy) and
+    runs op by op for the next shape: the scales and gradients stay those of an unfused scaler
+    trained alongside; a :class:`~torch_bridge.fused.FusedMath` given to ``fuse_decisions`` is
+    the scaler's."""
+    fused = FusedMath("eager", max_shapes=1)
+    runs = []
+    for fuse in (fused, False):
         model, x, y = make_case("gpt")
-        scaler = AdaLossScaler(model, host_math=False, fuse_decisions=fuse)
-        opt = torch.optim.SGD(model.parameters(), 0.1)
-        for step in range(3):
-            rows = slice(None) if step < 2 else slice(0, 5)  # another batch size: no new graph
+        runs.append((model, AdaLossScaler(model, host_math=False, fuse_decisions=fuse),
+                     torch.optim.SGD(model.parameters(), 0.1)))
+    assert runs[0][1]._fused is fused
+    for step, rows in enumerate((8, 8, 5, 3)):  # (the second step has the scaler's state: traced)
+        seen = []
+        for model, scaler, opt in runs:
+            x, y = make_case("gpt")[1:]
             with torch.autocast("cpu", dtype=torch.float16):
-                loss = scaler.scale(1e-4 * xent(model(x[rows]), y[rows]))
-            mode = _SolverOps()
-            with mode:
+                loss = scaler.scale(1e-4 * xent(model(x[:rows]), y[:rows]))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 loss.backward()
-            if step == 2 or not fuse:  # (the first two trace: the second has the scaler's state)
-                assert (mode.count == 0) == bool(fuse), mode.count
-            if step == 0:
-                grads.append([p.grad.clone() for p in model.parameters()])
-            if step == 1:
-                compiled = len(scaler._fused) if fuse else 0
+            said = [str(w.message) for w in caught if "fuse_decisions" in str(w.message)]
+            if scaler is runs[0][1]:
+                assert len(said) == (step == 2), said  # once, at the first decision past its limit
+                assert step != 2 or "Pad batches" in said[0]
+            seen.append(({k: float(r.scale) for k, r in scaler.layer_reports().items()},
+                         [p.grad.clone() for p in model.parameters()]))
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-        assert compiled == (len(scaler._fused) if fuse else 0)
-    assert 3 <= compiled <= 16  # layers of two fan-ins, casts, merges, the underflow signals
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+        (scales, grads), (plain_scales, plain_grads) = seen
+        assert scales == plain_scales and any(v != 1.0 for v in scales.values())
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
 
 def test_fused_update_moves_the_backoff_and_lifts_as_the_op_by_op_one():

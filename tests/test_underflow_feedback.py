@@ -268,8 +268,9 @@ def test_torch_cpu_counts_and_log_moments_are_the_comparisons_and_the_masked_log
     """A CPU backward counts with fp32 sums from one widened copy (``host``) and takes ln|g| in
     place: the same counts as ``count_nonzero`` of the comparisons (zeros, subnormals, ±inf, NaN,
     entries at u_min exactly), the same statistics as ``tensor_stats``, and log-moments equal to
-    the solver's over the non-zero entries."""
-    from torch_bridge import decisions, hooks
+    the solver's over the non-zero entries; so do the plain reductions ``fuse_decisions`` compiles
+    (:mod:`torch_bridge.kernels`)."""
+    from torch_bridge import decisions, hooks, kernels
     from torch_bridge._xp import xp as torch_xp
 
     cfg = AdaLossConfig()
@@ -293,8 +294,16 @@ def test_torch_cpu_counts_and_log_moments_are_the_comparisons_and_the_masked_log
                     torch.testing.assert_close(torch.as_tensor(got).double(), torch.as_tensor(exp).double(),
                                                rtol=0, atol=0, equal_nan=True)
         assert [float(c) for c in hooks.subnormal_counts(g, lim, host=True)] == [float(c) for c in want]
+        # what fuse_decisions compiles: the same counts (fp32 sums), the same sums to rounding
+        assert [float(c) for c in kernels.counts(g, lim)] == [float(c) for c in want]
+        fused = kernels.sums(g, True)
+        torch.testing.assert_close(torch.stack([*fused[2:]]), torch.stack([*hooks.tensor_sums(g)[2:]]),
+                                   rtol=0, atol=0, equal_nan=True)  # min, max: NaN
+        if dtype != torch.float32:  # (fp32's Σx² overflows to inf at the ±inf entries alike)
+            for got, exp in zip(fused[:2], hooks.tensor_sums(g)[:2]):
+                assert float(got) == pytest.approx(float(exp), rel=1e-5, nan_ok=True)
         finite = torch.where(g.isfinite(), g, torch.zeros((), dtype=dtype)).float()  # a cast's fp32 g
-        ls = hooks.log_stats(finite)
         exp = solver.log_stats(finite.numpy(), np_xp)
-        for got, e in zip(ls, exp):
-            assert float(got) == pytest.approx(float(e), rel=1e-5)
+        for ls in (hooks.log_stats(finite), decisions.log_stats(kernels.log_sums(finite), torch_xp)):
+            for got, e in zip(ls, exp):
+                assert float(got) == pytest.approx(float(e), rel=1e-5)

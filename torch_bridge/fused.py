@@ -1,28 +1,37 @@
-"""One compiled kernel per scale decision, for decisions on device tensors.
+"""Compiled scale decisions: each one traced once per signature and compiled into one call.
 
 On an accelerator a decision's scalar math (:mod:`adaloss.solver` on 0-d tensors: the
 statistical scale, the caps and bounds, the rounding, the underflow fraction) is some fifty
-aten ops, each a kernel launch, against a handful for the statistics it reads. A
-:class:`FusedMath` traces such a function once per signature into an aten graph
-(``make_fx`` on fake tensors: a branch on a value raises instead of being baked in) and
-compiles that graph with inductor (one kernel), so that a decision costs one launch.
+aten ops, each a kernel launch, against a handful for the statistics it reads; on a CPU the
+statistics' passes over the cotangent and the hooks' Python between them cost more than the
+math. A :class:`FusedMath` traces a pure function of tensors into an aten graph (``make_fx``
+on fake tensors: a branch on a value raises instead of being baked in) and compiles that
+graph with inductor: a decision's scalar math alone (:mod:`torch_bridge.decisions`, 0-d
+tensors in and out: one kernel), or its whole work (:mod:`torch_bridge.kernels`: the
+statistics of its cotangent, weight and activation, the math, the rescaled cotangent), which
+inductor fuses into a few loops over the tensors.
 
-The function is pure: 0-d fp32 tensors (or ``None``, in any pytree of tuples and
-NamedTuples) in, such a pytree out; everything else it reads (the config, a fan-in) is a
-*static* argument, part of the cache key, baked into the graph (what follows the batch, a
-cotangent's size, is an argument: :meth:`FusedMath.constant`). Compiled code
+The function's tensors (or ``None``, in any pytree of tuples, lists and NamedTuples) are its
+arguments; everything else it reads (the config, a fan-in) is *static*, part of the cache key,
+baked into the graph. So are the tensors' shapes and strides: each new shape compiles anew, up
+to :attr:`FusedMath.max_shapes` per decision (a layer, a cast, a merge), beyond which
+:meth:`FusedMath.call` warns once and returns ``None`` (the caller then runs the decision op by
+op). A size that
+follows the batch in a 0-d decision is an argument (:meth:`FusedMath.constant`). Compiled code
 computes each operation once in fp32, as JAX and NumPy do (eager torch divides a Python number
-by a tensor as a reciprocal times the number, two roundings): the scales, powers of two, are
-the same; an unrounded statistic may differ from eager device math in its last bit.
+by a tensor as a reciprocal times the number, two roundings), and fuses a chain of 16-bit
+elementwise ops without rounding between them: the scales, powers of two, are the same as op by
+op except where a statistic lands on a rounding boundary; an unrounded statistic may differ in
+its last bits.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from torch_bridge._xp import xp
 
@@ -36,17 +45,23 @@ class FusedMath:
     """Compiled decision functions, cached by function, static arguments and input signature.
 
     Args:
-      backend: ``"inductor"`` (one kernel per decision, ``torch._inductor.compile``: the
-        backward's hooks run with dynamo disabled, so not through ``torch.compile``) or
-        ``"eager"`` (the traced graph run op by op: the same ops as eager device math).
+      backend: ``"inductor"`` (``torch._inductor.compile``: the backward's hooks run with
+        dynamo disabled, so not through ``torch.compile``) or ``"eager"`` (the traced graph run
+        op by op: the same ops as the function's own).
+      max_shapes: how many shapes of its tensors one decision compiles for, over steps (as
+        ``torch._dynamo.config.recompile_limit``); beyond them :meth:`call` returns ``None``.
     """
 
-    def __init__(self, backend: str = "inductor") -> None:
+    def __init__(self, backend: str = "inductor", max_shapes: int = 8) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = backend
-        # key -> (compiled graph, (which output leaves are tensors, the outputs' tree))
+        if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
+            raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
+        self.backend, self.max_shapes = backend, max_shapes
+        # key -> (compiled graph, the outputs' structure)
         self._compiled: dict[Hashable, tuple[Callable[..., Any], Any]] = {}
+        self._shapes: dict[Hashable, set[Hashable]] = {}  # (decision, signature) -> its shapes
+        self._warned = False
         self._constants: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -64,39 +79,63 @@ class FusedMath:
         return len(self._compiled)
 
     def __call__(self, fn: Callable[..., Any], static: tuple[Hashable, ...], *args: Any) -> Any:
-        """``fn(*static, xp, *args)`` (``xp``: :data:`torch_bridge._xp.xp`), compiled."""
-        leaves, spec = pytree.tree_flatten(args)
-        present = tuple(leaf is not None for leaf in leaves)
-        tensors = [leaf for leaf in leaves if leaf is not None]
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dim() != 0:
-                shape = list(t.shape) if isinstance(t, torch.Tensor) else ""
-                raise TypeError(f"{fn.__name__}: a fused decision takes 0-d tensors, got "
-                                f"{type(t).__name__}{shape}")
-        key = (fn, static, spec, present, tuple((t.dtype, t.device) for t in tensors))
+        """``fn(*static, xp, *args)`` (``xp``: :data:`torch_bridge._xp.xp`) on 0-d tensors,
+        compiled: a decision's scalar math, whose signature has one shape."""
+        return self._run(fn, static, args, scalars=True)
+
+    def call(self, fn: Callable[..., Any], static: tuple[Hashable, ...], *args: Any,
+             point: Hashable = None) -> Any:
+        """``fn(*static, xp, *args)`` on tensors of any shape, compiled for their shapes and
+        strides; ``None`` where the decision ``point`` (a layer's name: shapes are counted per
+        decision, over steps) compiled :attr:`max_shapes` of them already (warned once)."""
+        return self._run(fn, static, args, scalars=False, point=point)
+
+    def _run(self, fn: Callable[..., Any], static: tuple[Hashable, ...], args: tuple[Any, ...],
+             scalars: bool, point: Hashable = None) -> Any:
+        tensors: list[torch.Tensor] = []
+        spec = _flatten(args, tensors, fn, scalars)
+        site = (fn, static, spec, tuple((t.dtype, t.device) for t in tensors))
+        key = site if scalars else (site, tuple((t.shape, t.stride()) for t in tensors))
+        # (the backward's saved activations require grad: the graph is compiled for inference)
+        tensors = [t.detach() if t.requires_grad else t for t in tensors]
         hit = self._compiled.get(key)
         if hit is None:
-            hit = self._compiled[key] = self._compile(fn, static, spec, present, tensors)
-        compiled, (out_present, out_spec) = hit
-        it = iter(compiled(*tensors))
-        return pytree.tree_unflatten([next(it) if p else None for p in out_present], out_spec)
+            if not scalars:
+                shapes = self._shapes.setdefault((point, site), set())
+                if key not in shapes and len(shapes) >= self.max_shapes:
+                    self._warn(fn, point)
+                    return None
+                shapes.add(key)
+            hit = self._compiled[key] = self._compile(fn, static, spec, tensors)
+        compiled, out_spec = hit
+        return _unflatten(out_spec, iter(compiled(*tensors)))
+
+    def _warn(self, fn: Callable[..., Any], point: Hashable) -> None:
+        """Once per :class:`FusedMath`: the first decision past :attr:`max_shapes`."""
+        if self._warned:
+            return
+        self._warned = True
+        at = "" if point is None else f" (at {point})"
+        warnings.warn(
+            f"fuse_decisions: {fn.__module__}.{fn.__name__}{at} was compiled for {self.max_shapes} "
+            "shapes of its tensors already; tensors of other shapes take the op-by-op path from now "
+            "on, at this decision and any other past its limit (slower, the same decisions). Pad "
+            "batches to a few fixed shapes, raise FusedMath(max_shapes=...), or use "
+            "fuse_decisions=False where shapes vary every step.", RuntimeWarning, stacklevel=3)
 
     def _compile(self, fn: Callable[..., Any], static: tuple[Hashable, ...], spec: Any,
-                 present: tuple[bool, ...], tensors: list[torch.Tensor]) -> tuple[Callable[..., Any], Any]:
+                 tensors: list[torch.Tensor]) -> tuple[Callable[..., Any], Any]:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         out_spec: list[Any] = []
 
         def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
-            it = iter(ts)
-            leaves = [next(it) if p else None for p in present]
-            out, s = pytree.tree_flatten(fn(*static, xp, *pytree.tree_unflatten(leaves, spec)))
-            for o in out:
-                if o is not None and not isinstance(o, torch.Tensor):
-                    raise TypeError(f"{fn.__name__}: a fused decision returns tensors, "
-                                    f"got {type(o).__name__}")
-            out_spec.append((tuple(o is not None for o in out), s))
-            return [o for o in out if o is not None]
+            out: list[torch.Tensor] = []
+            try:
+                out_spec.append(_flatten(fn(*static, xp, *_unflatten(spec, iter(ts))), out, fn, False))
+            except TypeError as e:
+                raise TypeError(f"{fn.__name__}: a fused decision returns tensors ({e})") from None
+            return out
 
         with torch.no_grad():
             graph = make_fx(flat, tracing_mode="fake")(*tensors)
@@ -105,3 +144,33 @@ class FusedMath:
             from torch import _inductor  # not through dynamo: the hooks run with it disabled
 
             return _inductor.compile(graph, tensors), out_spec[0]
+
+
+_TENSOR = "tensor"  # a leaf of a spec
+
+
+def _flatten(v: Any, leaves: list[torch.Tensor], fn: Callable[..., Any], scalars: bool) -> Any:
+    """The tensors of ``v`` (tensors and ``None`` in tuples, lists and NamedTuples) appended to
+    ``leaves``, and its structure (hashable: what :func:`_unflatten` rebuilds ``v`` from)."""
+    if isinstance(v, torch.Tensor):
+        if scalars and v.dim() != 0:
+            raise TypeError(f"{fn.__name__}: a fused decision takes 0-d tensors, got Tensor{list(v.shape)}")
+        leaves.append(v)
+        return _TENSOR
+    if v is None:
+        return None
+    if isinstance(v, (tuple, list)):
+        return type(v), tuple(_flatten(x, leaves, fn, scalars) for x in v)
+    raise TypeError(f"{fn.__name__}: a fused decision takes {'0-d tensors' if scalars else 'tensors'}, "
+                    f"got {type(v).__name__}")
+
+
+def _unflatten(spec: Any, leaves: Any) -> Any:
+    """What :func:`_flatten` took apart, from its structure and an iterator of tensors."""
+    if spec is _TENSOR:
+        return next(leaves)
+    if spec is None:
+        return None
+    cls, children = spec
+    items = [_unflatten(c, leaves) for c in children]
+    return cls(*items) if hasattr(cls, "_fields") else cls(items)

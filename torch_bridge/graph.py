@@ -62,6 +62,7 @@ _LOOKUP = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackwa
                      "IndexSelectBackward0", "GatherBackward0", "TakeBackward0"})
 # elementwise nodes whose non-differentiated operand may be a scalar constant
 _VECTOR = ("MvBackward0", "AddmvBackward0")  # no weight-gradient cap for these
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
 _SCALAR_OPERAND = {"MulBackward0": ("_saved_self", "_saved_other"),
                    "DivBackward0": ("_saved_self", "_saved_other")}
 # nodes whose gradient for a broadcast operand is a sum over the broadcast entries: the saved
@@ -173,8 +174,9 @@ class _Walk:
         self.edges: list[tuple[tuple[int, int] | None, ...]] = []
         key: list[Any] = []
         i = 0
-        while i < len(self.nodes):
-            node = self.nodes[i]
+        nodes, all_edges = self.nodes, self.edges
+        while i < len(nodes):
+            node = nodes[i]
             edges = []
             for nxt, k in node.next_functions:
                 if nxt is None:
@@ -182,14 +184,19 @@ class _Walk:
                     continue
                 j = index.get(nxt)
                 if j is None:
-                    j = index[nxt] = len(self.nodes)
-                    self.nodes.append(nxt)
+                    j = index[nxt] = len(nodes)
+                    nodes.append(nxt)
                 edges.append((j, k))
-            self.edges.append(tuple(edges))
-            var = getattr(node, "variable", None)
-            key.append((node.name(), self.edges[-1],
-                        None if var is None else (id(var), param_names.get(id(var))),
-                        tuple(f[3] for f in _scalar_factors(node))))
+            edges_t = tuple(edges)
+            all_edges.append(edges_t)
+            name = node.name()
+            if name == _ACCUMULATE:
+                var = node.variable
+                key.append((name, edges_t, (id(var), param_names.get(id(var))), ()))
+            elif name in _SCALAR_OPERAND:
+                key.append((name, edges_t, None, tuple(f[3] for f in _scalar_factors(node, name))))
+            else:
+                key.append((name, edges_t, None, ()))
             i += 1
         self.key = tuple(key)
 
@@ -594,14 +601,14 @@ def _scalar_operand(node: Any, i: int) -> bool:
     return data is not None and data.numel() == 1
 
 
-def _scalar_factors(node: Any) -> tuple[tuple[int, str, bool, bool | None], ...]:
+def _scalar_factors(node: Any, kind: str | None = None) -> tuple[tuple[int, str, bool, bool | None], ...]:
     """The scalar factors of a ``MulBackward0`` / ``DivBackward0`` node: ``(edge, saved attribute
     of the scalar, divides, amplifies)`` for each operand ``x`` multiplied (``x·c``, ``c·x``) or
     divided (``x/c``) by a saved one-element ``c``; ``amplifies`` says whether ``|c| > 1`` (a
     divisor's ``|c| < 1``) where ``c`` is a Python number (read without a device sync), None
     for a tensor (its hook decides on the device). ``c/x`` is data-dependent: not listed.
-    Saved operands packed by saved-tensor hooks are not read."""
-    kind = node.name()
+    Saved operands packed by saved-tensor hooks are not read. ``kind``: ``node.name()``, if read."""
+    kind = node.name() if kind is None else kind
     attrs = _SCALAR_OPERAND.get(kind)
     if attrs is None:
         return ()

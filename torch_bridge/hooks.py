@@ -36,7 +36,7 @@ import torch
 from adaloss import solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
-from torch_bridge import decisions
+from torch_bridge import decisions, kernels
 from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
 from torch_bridge.fused import FusedMath
 from torch_bridge.graph import (
@@ -214,10 +214,6 @@ def _min_max(x: torch.Tensor) -> solver.TensorStats:
     return solver.TensorStats(None, None, lo.to(_F32), hi.to(_F32))
 
 
-#: an fp32 sum of 0/1 entries is an exact count below this many entries
-_EXACT_COUNT = 2**24
-
-
 def log_sums(x: torch.Tensor) -> decisions.LogSums:
     """The :class:`~torch_bridge.decisions.LogSums` of ``x`` (what
     :func:`adaloss.solver.log_stats_of_sums` takes, before conversions): torch's fused kernels
@@ -239,7 +235,7 @@ def log_stats(x: torch.Tensor) -> solver.LogStats:
 def _counts_in_place(x: torch.Tensor, limit: float, host: bool) -> bool:
     """Whether :func:`subnormal_counts` counts from an fp32 copy of ``|x|``: a CPU backward
     (``host``), fewer than 2^24 entries (an exact fp32 sum), ``limit`` a power of two."""
-    return host and x.device.type == "cpu" and x.numel() < _EXACT_COUNT and math.frexp(limit)[0] == 0.5
+    return host and x.device.type == "cpu" and x.numel() < kernels.EXACT_COUNT and math.frexp(limit)[0] == 0.5
 
 
 def _counts_of_copy(w: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,14 +308,12 @@ def rescale(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
     On CPU a 0-d fp32 factor is a CPU scalar, which fp16/bf16 multiplication takes
     in fp32 (one rounding, one kernel); on other devices it would be cast to the
-    tensor's dtype first, so the product is formed in fp32 explicitly.
+    tensor's dtype first, so the product is formed in fp32 explicitly
+    (:func:`torch_bridge.kernels.scaled`).
     """
-    if t.dtype == _F32 or (t.device.type == "cpu" and factor.device.type == "cpu"
-                           and t.dtype in (torch.float16, torch.bfloat16)):
+    if t.device.type == "cpu" and factor.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16):
         return t * factor
-    if t.dtype == torch.float64:
-        return t * factor.to(torch.float64)
-    return (t.to(_F32) * factor).to(t.dtype)
+    return kernels.scaled(t, factor)
 
 
 # The hooks run eagerly, never traced by torch.compile: a compiled training step graph-breaks
@@ -600,7 +594,7 @@ class ScaledBackward:
         self._hook_leaves()
         self.active = True
         g = go[0]
-        self.sm = scalar_math(g, self.host_math)
+        self.sm = scalar_math(g, self.host_math and self.fused is None)
         self.bo = None if self.backoff is None else self.sm.to_xp(self.backoff.to(g.device))
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
         self.values[0] = self.sm.to_xp(init)
@@ -637,13 +631,28 @@ class ScaledBackward:
         return rescale(t, self.sm.to_torch(factor))
 
     # -- merges -------------------------------------------------------------------
-    def _merge(self, parts: list[tuple[torch.Tensor, Any]], dtype: torch.dtype
-               ) -> tuple[list[torch.Tensor], Any]:
+    def _merge(self, parts: list[tuple[torch.Tensor, Any]], dtype: torch.dtype, point: Any,
+               summed: bool = False) -> tuple[Any, Any]:
+        """Contributions (tensor, the scale it carries) brought to their common scale: their sum
+        (``summed``) or each rescaled, and that scale (``point``: where, for
+        :meth:`FusedMath.call`)."""
         backed_off = self.bo is not None and dtype.itemsize <= 2
-        extremes = [decisions.Sums(None, None, *torch.aminmax(t)) for t, _ in parts]
-        target, factors = self._math(decisions.merge, (self.config, u_max(self.config, dtype), backed_off),
-                                     [s for _, s in parts], extremes, self.bo)
-        return [self._rescale(t, f) for (t, _), f in zip(parts, factors)], target
+        static = (self.config, u_max(self.config, dtype), backed_off)
+        tensors = [t for t, _ in parts]
+        if self._fusing(*tensors):
+            got = self.fused.call(kernels.merge, (*static, summed), tensors, [s for _, s in parts], self.bo,
+                                  point=point)
+            if got is not None:
+                return got
+        extremes = [decisions.Sums(None, None, *torch.aminmax(t)) for t in tensors]
+        target, factors = self._math(decisions.merge, static, [s for _, s in parts], extremes, self.bo)
+        rescaled = [self._rescale(t, f) for t, f in zip(tensors, factors)]
+        if not summed:
+            return rescaled, target
+        total = rescaled[0]
+        for t in rescaled[1:]:
+            total = total + t
+        return total, target
 
     def _merged(self, sym: int, parts: list[int]) -> None:
         """A merged scale was set by the decisions behind its parts."""
@@ -660,19 +669,17 @@ class ScaledBackward:
             parts = [(t, self.values[s]) for t, s in stashed]
             if not parts:
                 continue
-            rescaled, self.values[msym] = self._merge(parts, p.out_dtypes[k])
+            go[k], self.values[msym] = self._merge(parts, p.out_dtypes[k], f"merge {p.index}:{k}",
+                                                   summed=True)
             self._merged(msym, [s for _, s in stashed])
             self.fitted.add(msym)
-            total = rescaled[0]
-            for t in rescaled[1:]:
-                total = total + t
-            go[k] = total
         if p.cross_merge:
             present = [k for k in p.out_syms if go[k] is not None]
             if not present:
                 return
             rescaled, self.values[p.sym] = self._merge(
-                [(go[k], self.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]])
+                [(go[k], self.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]],
+                f"merge {p.index}")
             self._merged(p.sym, [p.out_syms[k] for k in present])
             self.fitted.add(p.sym)
             for k, t in zip(present, rescaled):
@@ -695,9 +702,41 @@ class ScaledBackward:
             self.values[p.send] = incoming
             return
         cfg = self.config
-        ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
         cached = self._cached(p.name)
-        norms, rows = self._weight_grad_norms(p, g)
+        behind = sorted(self.deciders.get(p.sym, frozenset()))
+        limited = [self.limited[name] for name in behind]
+        lift = self._lift_of(p.name, g)
+        operand = self._wgrad_operand(p, g)
+        got = None
+        if self._fusing(g):  # statistics, math and rescale: one compiled call
+            w = None if cfg.model == "gradient" else self._weight(p)
+            x = None if operand is None else operand[0]
+            static = (cfg, p.fan_in, self._wgrad_limit(g), p.act_attr == "_saved_input", p.weight_side)
+            got = self.fused.call(kernels.layer, static, g, x, w, incoming, self.bo, lift,
+                                  *((None, None) if cached is None else cached), limited, point=p.name)
+        if got is None:
+            dec = self._layer_decision(p, g, operand, cached, incoming, lift, limited)
+            go[0] = self._rescale(g, dec.d.scale)
+        else:
+            go[0], dec = got
+        d = dec.d
+        if dec.fraction is not None:
+            for name in behind:
+                self.fractions[name].append(dec.fraction)
+        self.deciders[p.send] = frozenset({p.name})
+        self.limited[p.name] = dec.limited
+        self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
+        self.values[p.send] = dec.outgoing
+        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
+                                           False if dec.held is None else dec.held)
+
+    def _layer_decision(self, p: NodePlan, g: torch.Tensor, operand: tuple[torch.Tensor, int] | None,
+                        cached: tuple[Any, Any] | None, incoming: Any, lift: Any, limited: list[Any]
+                        ) -> decisions.LayerDecision:
+        """A layer's decision from statistics read op by op (:meth:`_layer`)."""
+        cfg = self.config
+        ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
+        norms, rows = (None, 0) if operand is None else self._weight_grad_norms(p, g, operand)
         counts = None
         if cached is None or cached[1] is None:
             gs, counts = cotangent_stats(g, cfg.model == "gradient",
@@ -707,26 +746,21 @@ class ScaledBackward:
             gs = decisions.Sums(None, None, *torch.aminmax(g))
         if cfg.underflow_feedback and counts is None:
             counts = subnormal_counts(g, cfg.underflow_limit, self.sm is ON_HOST)
-        behind = sorted(self.deciders.get(p.sym, frozenset()))
         size, root_rows = g.numel(), float(rows) ** 0.5
         if self.sm is ON_TENSORS and self.fused is not None:  # values, not static: no compile per batch
             size = self.fused.constant(size, torch.int64, g.device)
             root_rows = self.fused.constant(root_rows, _F32, g.device)
-        dec = self._math(decisions.layer, (cfg, p.fan_in, w_size, self._wgrad_limit(g)),
-                         size, gs, ws, norms, root_rows, incoming, self.bo, self._lift_of(p.name, g),
-                         None if cached is None else cached[0], None if cached is None else cached[1],
-                         counts, [self.limited[name] for name in behind])
-        d = dec.d
-        if dec.fraction is not None:
-            for name in behind:
-                self.fractions[name].append(dec.fraction)
-        self.deciders[p.send] = frozenset({p.name})
-        self.limited[p.name] = dec.limited
-        self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
-        self.values[p.send] = dec.outgoing
-        go[0] = self._rescale(g, d.scale)
-        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
-                                           False if dec.held is None else dec.held)
+        return self._math(decisions.layer, (cfg, p.fan_in, w_size, self._wgrad_limit(g)),
+                          size, gs, ws, norms, root_rows, incoming, self.bo, lift,
+                          None if cached is None else cached[0], None if cached is None else cached[1],
+                          counts, limited)
+
+    def _fusing(self, *tensors: torch.Tensor) -> bool:
+        """Whether this decision runs as one compiled call (:mod:`torch_bridge.kernels`):
+        ``fuse_decisions``, decisions on tensors, plain tensors (not a subclass: a ``DTensor``,
+        a ``FakeTensor``), not an fp8 format."""
+        return (self.fused is not None and self.sm is ON_TENSORS and not self.config.fp8
+                and all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors))
 
     def _math(self, fn: Callable[..., Any], static: tuple[Any, ...], *args: Any) -> Any:
         """``fn(*static, xp, *args)`` (a function of :mod:`torch_bridge.decisions`) in the pass's
@@ -757,17 +791,27 @@ class ScaledBackward:
             self.decisions[p.name] = _Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
             return
         region = self.region_scale(p.name, g.device) if p.kind == "region" else None
-        if region is not None or cached is None or cached[1] is None:
-            sums, logs = log_sums(g), None
-        else:  # only the overflow cap needs a current statistic: max|g|
-            sums, logs = None, cached[1]._replace(absmax=g.abs().amax())
-        dec = self._math(decisions.cast, (cfg,), sums, logs, incoming, self.bo,
-                         None if cached is None or region is not None else cached[0], region)
+        cached_scale = None if cached is None or region is not None else cached[0]
+        cached_logs = None if cached is None else cached[1]
+        got = None
+        if self._fusing(*(go[k] for k in present)):
+            got = self.fused.call(kernels.cast, (cfg,), [go[k] for k in present], incoming, self.bo,
+                                  cached_scale, cached_logs, region, point=p.name)
+        if got is None:
+            if region is not None or cached_logs is None:
+                sums, logs = log_sums(g), None
+            else:  # only the overflow cap needs a current statistic: max|g|
+                sums, logs = None, cached_logs._replace(absmax=g.abs().amax())
+            dec = self._math(decisions.cast, (cfg,), sums, logs, incoming, self.bo, cached_scale, region)
+            for k in present:
+                go[k] = self._rescale(go[k], dec.d.scale)
+        else:
+            out, dec = got
+            for k, t in zip(present, out):
+                go[k] = t
         d, ls, outgoing = dec
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, ls
         self.values[p.send] = outgoing
-        for k in present:
-            go[k] = self._rescale(go[k], d.scale)
         self.decisions[p.name] = _Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)
         if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
             self.regions.append(outgoing)
@@ -929,44 +973,40 @@ class ScaledBackward:
         (``torch.utils.checkpoint``: reading it here would leave none for the node's backward)."""
         return read_saved(self.plan.nodes[p.index], attr)
 
-    def _weight_grad_norms(self, p: NodePlan, g: torch.Tensor) -> tuple[tuple[Any, Any] | None, int]:
-        """The squares of the column norms :func:`adaloss.solver.weight_grad_cap` takes (the
-        largest of ``g``'s and of ``x``'s, 0-d fp32 tensors) and the rows they sum over, for a
-        node that computes its weight (and bias) gradient in ``g``'s 16-bit dtype from ``s·g``:
-        a matmul (``nn.Linear``, HF ``Conv1D``,
-        ``bmm``/``matmul`` with a parameter, ``torch._grouped_mm`` experts: batch and token
-        dimensions are rows, so the bound also holds for a weight expanded over a batch, whose
-        gradient sums them) or a convolution (channels are columns: every entry of
-        ``dW[o, c, k…]`` sums, over batch and positions, products of ``g[:, o]`` with distinct
-        entries of ``x[:, c]``); ``(None, 0)`` elsewhere (``mv``, fp32 gradients, an activation
-        packed by saved-tensor hooks)."""
+    def _wgrad_operand(self, p: NodePlan, g: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The saved activation ``x`` and the rows :func:`adaloss.solver.weight_grad_cap` sums
+        over, for a node that computes its weight (and bias) gradient in ``g``'s 16-bit dtype
+        from ``s·g``: a matmul (``nn.Linear``, HF ``Conv1D``, ``bmm``/``matmul`` with a
+        parameter, ``torch._grouped_mm`` experts: batch and token dimensions are rows, so the
+        bound also holds for a weight expanded over a batch, whose gradient sums them) or a
+        convolution (:func:`torch_bridge.kernels.wgrad_columns`); None elsewhere (``mv``, fp32
+        gradients, an activation packed by saved-tensor hooks, shapes that do not pair)."""
         if not p.act_attr or g.dtype.itemsize > 2:
-            return None, 0
+            return None
         x = self._saved(p, p.act_attr)
         if x is None or x.dim() < 2 or g.dim() < 2:
-            return None, 0
-        if p.act_attr == "_saved_input":  # [N, C, spatial...] -> [N·positions, C]
-            # (a strided or padded convolution reads a subset of each input channel: its
-            # norm over every position still bounds the subset's)
-            if x.dim() != g.dim():
-                return None, 0
-            g, x = g.transpose(0, 1).flatten(1).t(), x.transpose(0, 1).flatten(1).t()
-        elif p.weight_side == 0:  # W @ x: dW = g·xᵀ, rows are the last dimension
-            g = g.transpose(-1, -2).reshape(-1, g.shape[-2])
-            x = x.transpose(-1, -2).reshape(-1, x.shape[-2])
-        else:
-            g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        if p.act_attr != "_saved_input" and g.shape[0] != x.shape[0]:
-            return None, 0
-        return (_sum_of_squares(g, 0).amax(), _sum_of_squares(x.detach(), 0).amax()), g.shape[0]
+            return None
+        if p.act_attr == "_saved_input":  # rows: batch and positions
+            return (x, g.numel() // g.shape[1]) if x.dim() == g.dim() else None
+        axis = -2 if p.weight_side == 0 else -1
+        rows = g.numel() // g.shape[axis]
+        return (x, rows) if rows == x.numel() // x.shape[axis] else None
+
+    def _weight_grad_norms(self, p: NodePlan, g: torch.Tensor, operand: tuple[torch.Tensor, int]
+                           ) -> tuple[tuple[Any, Any], int]:
+        """The largest squared column norms of ``g`` and of the activation (0-d fp32 tensors)
+        and the rows they sum over (:meth:`_wgrad_operand`)."""
+        gm, xm = kernels.wgrad_columns(g, operand[0].detach(), p.act_attr == "_saved_input", p.weight_side)
+        return (_sum_of_squares(gm, 0).amax(), _sum_of_squares(xm, 0).amax()), operand[1]
 
     def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
         """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight (and bias)
         gradient in ``g``'s 16-bit dtype from ``s·g`` (:meth:`_weight_grad_norms`), in the
         pass's scalar namespace; None where there is none to bound."""
-        norms, rows = self._weight_grad_norms(p, g)
-        if norms is None:
+        operand = self._wgrad_operand(p, g)
+        if operand is None:
             return None
+        norms, rows = self._weight_grad_norms(p, g, operand)
         return decisions.weight_grad_cap(self.config, self._wgrad_limit(g), self.sm.xp,
                                          tuple(map(self.sm.to_xp, norms)), float(rows) ** 0.5, self.bo)
 

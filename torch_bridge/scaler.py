@@ -109,13 +109,16 @@ class AdaLossScaler:
         (:meth:`captured_cotangents`), for underflow measurements.
       host_math: for CPU gradients, compute the scalar decisions on NumPy fp32
         scalars (same arithmetic, ~8x cheaper than 0-d tensors); accelerator
-        gradients always use device tensors.
-      fuse_decisions: where the decisions run on device tensors (accelerator gradients, or
-        ``host_math=False``), compile each kind of decision's scalar math into one kernel
-        (:class:`torch_bridge.fused.FusedMath`: ``True`` or ``"inductor"``; ``"eager"`` runs the
-        traced graph op by op) instead of dispatching some fifty 0-d ops, each a kernel
-        launch. Each new signature (a kind of decision, a fan-in) compiles once, on first
-        use. ``False`` (default): eager ops.
+        gradients always use device tensors, and so does ``fuse_decisions``.
+      fuse_decisions: run each decision (the statistics of its cotangent, weight and
+        activation, its scalar math, the rescaled cotangent) as one compiled call
+        (:mod:`torch_bridge.kernels`, :class:`torch_bridge.fused.FusedMath`: ``True`` or
+        ``"inductor"``; ``"eager"`` runs the traced graphs op by op; or a ``FusedMath`` of
+        your own), on any device: CPU gradients too (``host_math`` then does not apply).
+        Each decision compiles once per shape of its tensors, on first use (seconds each on a
+        CPU); past ``FusedMath.max_shapes`` shapes it warns and runs op by op. Not fused: the
+        decisions of an fp8 ``grad_format``, scalar factors and first layers (their scalar
+        math only) and tensor subclasses. ``False`` (default): eager ops.
       unscale_in_backward: divide each parameter's gradient by its scale as autograd
         delivers it (before it is accumulated into ``.grad``), so that ``.grad`` holds the
         true gradient (scale 1; ``unscale_`` then only checks it). Data parallelism needs
@@ -128,7 +131,8 @@ class AdaLossScaler:
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
                  enabled: bool = True, capture: bool = False, host_math: bool = True,
-                 unscale_in_backward: bool | None = None, fuse_decisions: bool | str = False) -> None:
+                 unscale_in_backward: bool | None = None,
+                 fuse_decisions: bool | str | FusedMath = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
         refuse_fsdp1(model)
@@ -154,10 +158,11 @@ class AdaLossScaler:
         self._enabled = bool(enabled)
         self.capture = bool(capture)
         self.host_math = bool(host_math)
-        if not isinstance(fuse_decisions, (bool, str)):
-            raise TypeError("fuse_decisions must be a bool or a backend name, "
+        if not isinstance(fuse_decisions, (bool, str, FusedMath)):
+            raise TypeError("fuse_decisions must be a bool, a backend name or a FusedMath, "
                             f"got {type(fuse_decisions).__name__}")
-        self._fused = (None if fuse_decisions is False
+        self._fused = (fuse_decisions if isinstance(fuse_decisions, FusedMath)
+                       else None if fuse_decisions is False
                        else FusedMath("inductor" if fuse_decisions is True else fuse_decisions))
         self.unscale_in_backward = unscale_in_backward
         self._at_leaf = False  # this backward unscales at the leaves
