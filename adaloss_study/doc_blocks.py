@@ -168,6 +168,10 @@ def cost(docs: Path) -> str:
     return "\n".join(lines)
 
 
+#: ``benchmarks/torch_step.py``'s method with ``fuse_decisions=True``
+FUSED = "AdaLossScaler, fused"
+
+
 def torch_ops_summary(docs: Path) -> list[str]:
     """The aten ops a PyTorch training step dispatches (each one or more GPU kernels),
     ``AdaLossScaler`` against ``torch.amp.GradScaler`` (``docs/torch_step.json``)."""
@@ -183,14 +187,20 @@ def torch_ops_summary(docs: Path) -> list[str]:
     out = [f"- **torch, HF {names}, aten ops per training step** (`benchmarks/torch_step.py`, "
            f"{dtype}; each op is one or more kernels on a GPU): decisions on device tensors "
            f"{span('AdaLossScaler, device math')} `torch.amp.GradScaler`'s"]
-    if all("AdaLossScaler, device math, fused" in r["ops"] for r in rows):
-        out[0] += f", compiled (`fuse_decisions=True`) {span('AdaLossScaler, device math, fused')}"
+    if all(FUSED in r["ops"] for r in rows):
+        out[0] += f", each decision one compiled call (`fuse_decisions=True`) {span(FUSED)}"
     out[0] += f"; on host scalars (a CPU's default) {span('AdaLossScaler')}."
     if (docs / "torch_step_bf16.json").exists():  # bf16 GEMMs: fast on a CPU, as fp16's are on a GPU
         bf16 = _json(docs, "torch_step_bf16.json")
-        t = [r["median_ms"]["AdaLossScaler"] / r["median_ms"]["GradScaler"] for r in bf16["rows"]]
+        per = []
+        for r in bf16["rows"]:
+            t = r["median_ms"]
+            cell = f"{r['model']} {t['AdaLossScaler'] / t['GradScaler']:.2f}×"
+            if FUSED in t:
+                cell += f" ({t[FUSED] / t['GradScaler']:.2f}× compiled)"
+            per.append(cell)
         out.append(f"- **torch, the same models, step time with bf16 autocast** (`{bf16['command']}`, "
-                   f"`{bf16['machine']}`): {min(t):.2f}-{max(t):.2f}× `torch.amp.GradScaler`'s.")
+                   f"`{bf16['machine']}`), ÷ `torch.amp.GradScaler`'s: {', '.join(per)}.")
     return out
 
 

@@ -10,9 +10,9 @@ zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M p
 fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler's scaled backward,
 ``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. ``AdaLossScaler, device math``: the
 scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel (on a
-CPU the default computes them on NumPy scalars); ``..., fused``: the same with
-``fuse_decisions=True`` (each decision one inductor-compiled call; compiled in the warm-up
-steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a CPU without fp16 GEMM kernels,
+CPU the default computes them on NumPy scalars); ``AdaLossScaler, fused``:
+``fuse_decisions=True`` (each decision, its statistics, math and rescale, one inductor-compiled
+call; compiled in the warm-up steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a CPU without fp16 GEMM kernels,
 whose fp16 GEMMs dominate the step). ``--device cuda``: on a GPU (each step synchronized), the
 device check ``fuse_decisions`` has not had yet. Ops: every aten op dispatched in one
 step (a ``TorchDispatchMode`` counting them, views included, the backward's too), the mean of 3
@@ -42,7 +42,7 @@ import torch_bridge
 from adaloss_study.overhead import machine
 
 MODELS = {"gpt2-2x128": (2, 128), "gpt2-4x256": (4, 256), "gpt2-6x384": (6, 384)}
-METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math", "AdaLossScaler, device math, fused")
+METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math", "AdaLossScaler, fused")
 
 
 class OpCounter(TorchDispatchMode):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from torch_bridge import AdaLossConfig, kernels
+from torch_bridge._xp import xp as torch_xp
 from torch_bridge.fused import FusedMath
 
 
@@ -28,7 +29,8 @@ def test_inductor_compiled_decisions_equal_their_traced_graphs():
     out = {}
     for backend in ("eager", "inductor"):
         fm = FusedMath(backend)
-        layer = fm.call(kernels.layer, (cfg, 32, None, False, 1), g, x, w, incoming, backoff, None, None, None, [])
+        layer = fm.call(kernels.layer, (cfg, 32, None, False, 1), g, x, w, incoming, backoff,
+                        None, None, None, [])
         cast = fm.call(kernels.cast, (cfg,), [logits], incoming, backoff, None, None, None)
         merge = fm.call(kernels.merge, (cfg, cfg.overflow_limit, True, True), parts,
                         [torch.tensor(2.0**6), torch.tensor(2.0**9)], backoff)
@@ -43,3 +45,19 @@ def test_inductor_compiled_decisions_equal_their_traced_graphs():
         assert float(c.sigma) == pytest.approx(float(d.sigma), rel=1e-5)
     assert float(c_layer[1].fraction) == float(layer[1].fraction) > 0
     assert float(c_layer[1].absmax) == float(layer[1].absmax)
+
+
+def test_a_decision_traced_with_one_tensor_twice_takes_two_apart_later():
+    """Two parts that carried one scale object when their merge was traced may carry two
+    later: the compiled graph keeps an input per argument, not per tensor object."""
+    cfg = AdaLossConfig()
+    parts = [_spread((4, 8), torch.float16, 6), _spread((4, 8), torch.float16, 7)]
+    one, backoff = torch.tensor(2.0**4), torch.tensor(1.0)
+    fm = FusedMath("eager")
+    static = (cfg, cfg.overflow_limit, True, True)
+    fm.call(kernels.merge, static, parts, [one, one], backoff)
+    scales = [one, torch.tensor(2.0**7)]
+    total, target = fm.call(kernels.merge, static, parts, scales, backoff)
+    want, want_target = kernels.merge(*static, torch_xp, parts, scales, backoff)
+    assert len(fm) == 1 and float(target) == float(want_target) == 2.0**7
+    assert torch.equal(total, want)

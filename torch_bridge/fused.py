@@ -137,6 +137,9 @@ class FusedMath:
                 raise TypeError(f"{fn.__name__}: a fused decision returns tensors ({e})") from None
             return out
 
+        # one fresh tensor per argument: make_fx traces a tensor passed twice (two parts carrying
+        # one scale object) as one input, and a later call may pass two
+        tensors = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
         with torch.no_grad():
             graph = make_fx(flat, tracing_mode="fake")(*tensors)
             if self.backend == "eager":
