@@ -12,11 +12,12 @@ fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler'
 scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel (on a
 CPU the default computes them on NumPy scalars); ``AdaLossScaler, fused``:
 ``fuse_decisions=True`` (each decision, its statistics, math and rescale, one inductor-compiled
-call; compiled in the warm-up steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a CPU without fp16 GEMM kernels,
-whose fp16 GEMMs dominate the step). ``--device cuda``: on a GPU (each step synchronized), the
-device check ``fuse_decisions`` has not had yet. Ops: every aten op dispatched in one
-step (a ``TorchDispatchMode`` counting them, views included, the backward's too), the mean of 3
-steps; per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
+call; compiled in the warm-up steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a
+CPU without fp16 GEMM kernels, whose fp16 GEMMs dominate the step). ``--device cuda``: on a
+GPU (each step synchronized), the device check ``fuse_decisions`` has not had yet. Ops: every
+aten op dispatched in one step (a ``TorchDispatchMode`` counting them, views included, the
+backward's too; a compiled call counts as the ops it launches itself), the mean of 3 steps;
+per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
 the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
 
 Not a test: ``tests/test_study_cli.py`` runs a tiny preset.
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
 import warnings
 from collections import Counter
@@ -155,11 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     rows = [measure(m, args.batch, args.seq, args.repeats, args.steps, tuple(args.methods), dtype,
                     args.device) for m in args.models]
-    command = "python benchmarks/torch_step.py"
-    if args.dtype != "float16":
-        command += f" --dtype {args.dtype}"
-    if args.device != "cpu":
-        command += f" --device {args.device}"
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "benchmarks/torch_step.py", *given])
     payload = {"command": command, "machine": machine("torch"), "device": args.device,
                "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "repeats": args.repeats,
                "steps": args.steps, "rows": rows}

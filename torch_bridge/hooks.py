@@ -712,8 +712,9 @@ class ScaledBackward:
             w = None if cfg.model == "gradient" else self._weight(p)
             x = None if operand is None else operand[0]
             static = (cfg, p.fan_in, self._wgrad_limit(g), p.act_attr == "_saved_input", p.weight_side)
-            got = self.fused.call(kernels.layer, static, g, x, w, incoming, self.bo, lift,
-                                  *((None, None) if cached is None else cached), limited, point=p.name)
+            if self._fusing(*(t for t in (x, w) if t is not None)):
+                got = self.fused.call(kernels.layer, static, g, x, w, incoming, self.bo, lift,
+                                      *((None, None) if cached is None else cached), limited, point=p.name)
         if got is None:
             dec = self._layer_decision(p, g, operand, cached, incoming, lift, limited)
             go[0] = self._rescale(g, dec.d.scale)
@@ -984,7 +985,7 @@ class ScaledBackward:
         if not p.act_attr or g.dtype.itemsize > 2:
             return None
         x = self._saved(p, p.act_attr)
-        if x is None or x.dim() < 2 or g.dim() < 2:
+        if x is None or x.dim() < 2 or g.dim() < 2 or g.numel() == 0 or x.numel() == 0:
             return None
         if p.act_attr == "_saved_input":  # rows: batch and positions
             return (x, g.numel() // g.shape[1]) if x.dim() == g.dim() else None
