@@ -184,11 +184,14 @@ def torch_ops_summary(docs: Path) -> list[str]:
         return f"{lo}×" if lo == hi else f"{lo}-{hi}×"
     names = f"{rows[0]['model']} to {rows[-1]['model']}" if len(rows) > 1 else rows[0]["model"]
     dtype = payload.get("dtype", "float16")
-    out = [f"- **torch, HF {names}, aten ops per training step** (`benchmarks/torch_step.py`, "
+    out = [f"- **torch, HF {names}, aten ops per training step** (`{payload['command']}`, "
            f"{dtype}; each op is one or more kernels on a GPU): decisions on device tensors "
            f"{span('AdaLossScaler, device math')} `torch.amp.GradScaler`'s"]
     if all(FUSED in r["ops"] for r in rows):
-        out[0] += f", each decision one compiled call (`fuse_decisions=True`) {span(FUSED)}"
+        calls = sorted({f"{r['compiled_calls'][FUSED] / r['decisions']:.1f}" for r in rows}, key=float)
+        out[0] += (f", each decision one compiled call (`fuse_decisions=True`) {span(FUSED)} and "
+                   f"{'-'.join(calls[::len(calls) - 1] if len(calls) > 1 else calls)} calls per decision "
+                   "(one kernel each on a CPU, a few on a GPU)")
     out[0] += f"; on host scalars (a CPU's default) {span('AdaLossScaler')}."
     if (docs / "torch_step_bf16.json").exists():  # bf16 GEMMs: fast on a CPU, as fp16's are on a GPU
         bf16 = _json(docs, "torch_step_bf16.json")

@@ -95,17 +95,35 @@ def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = t
     return step, scaler
 
 
-def count_ops(step: Callable[[], None], steps: int = 3) -> Counter[str]:
-    with OpCounter() as c:
-        for _ in range(steps):
-            step()
-    return Counter({k: v / steps for k, v in c.ops.items()})
+def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Counter[str], float]:
+    """Per step: the aten ops dispatched (by name), and the calls of compiled decisions (what
+    ``fuse_decisions`` runs instead of ops: no op a dispatch mode sees, each one kernel on a CPU
+    and a few on a GPU)."""
+    fused = getattr(scaler, "_fused", None)
+    calls = 0
+    if fused is not None:
+        run = fused._run
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return run(*args, **kwargs)
+        fused._run = counted
+    try:
+        with OpCounter() as c:
+            for _ in range(steps):
+                step()
+    finally:
+        if fused is not None:
+            del fused._run
+    return Counter({k: v / steps for k, v in c.ops.items()}), calls / steps
 
 
 def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: tuple[str, ...] = METHODS,
             dtype: torch.dtype = torch.float16, device: str = "cpu") -> dict[str, Any]:
     runs = {m: stepper(name, m, batch, seq, dtype, device) for m in methods}
-    ops = {m: count_ops(step) for m, (step, _) in runs.items()}
+    counted = {m: count_ops(step, scaler) for m, (step, scaler) in runs.items()}
+    ops = {m: c for m, (c, _) in counted.items()}
     rounds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in tqdm(range(repeats), desc=name, leave=False):
         for m, (step, _) in runs.items():
@@ -119,23 +137,24 @@ def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: 
              for m, c in ops.items() if m != "GradScaler"}
     return {"model": name, "parameters": sum(p.numel() for p in build(name).parameters()),
             "ops": {m: sum(c.values()) for m, c in ops.items()}, "decisions": layers,
+            "compiled_calls": {m: n for m, (_, n) in counted.items() if n},
             "extra_ops_top": extra,
             "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()}}
 
 
 def table(payload: dict[str, Any]) -> str:
     """Per model and method: aten ops per step (and over GradScaler's, and beyond them per
-    decision) and the median ms/step (and over GradScaler's)."""
-    lines = ["| model | method | aten ops / step | ÷ GradScaler's | extra per decision | ms/step "
-             "| ÷ GradScaler's |", "|---|---|---|---|---|---|---|"]
+    decision), compiled calls per step, and the median ms/step (and over GradScaler's)."""
+    lines = ["| model | method | aten ops / step | ÷ GradScaler's | extra per decision "
+             "| compiled calls / step | ms/step | ÷ GradScaler's |", "|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
-        o, t = r["ops"], r["median_ms"]
+        o, t, calls = r["ops"], r["median_ms"], r.get("compiled_calls", {})
         for i, m in enumerate(o):
             per = "" if m == "GradScaler" else f"{(o[m] - o['GradScaler']) / r['decisions']:.0f}"
             size = f"{r['parameters'] / 1e6:.1f}M, {r['decisions']} decisions"
             model = f"{r['model']} ({size})" if i == 0 else ""
-            lines.append(f"| {model} | {m} | {o[m]:.0f} | {o[m] / o['GradScaler']:.2f} | {per} | {t[m]:.1f} "
-                         f"| {t[m] / t['GradScaler']:.2f} |")
+            lines.append(f"| {model} | {m} | {o[m]:.0f} | {o[m] / o['GradScaler']:.2f} | {per} "
+                         f"| {calls.get(m, 0):.0f} | {t[m]:.1f} | {t[m] / t['GradScaler']:.2f} |")
     return "\n".join(lines)
 
 

@@ -647,12 +647,7 @@ class ScaledBackward:
         extremes = [decisions.Sums(None, None, *torch.aminmax(t)) for t in tensors]
         target, factors = self._math(decisions.merge, static, [s for _, s in parts], extremes, self.bo)
         rescaled = [self._rescale(t, f) for t, f in zip(tensors, factors)]
-        if not summed:
-            return rescaled, target
-        total = rescaled[0]
-        for t in rescaled[1:]:
-            total = total + t
-        return total, target
+        return (sum(rescaled[1:], rescaled[0]) if summed else rescaled), target  # (in order)
 
     def _merged(self, sym: int, parts: list[int]) -> None:
         """A merged scale was set by the decisions behind its parts."""

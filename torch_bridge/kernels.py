@@ -143,9 +143,4 @@ def merge(config: AdaLossConfig, limit: float, backed_off: bool, summed: bool, x
     target, factors = decisions.merge(config, limit, backed_off, xp, scales, [extremes(t) for t in parts],
                                       backoff)
     out = [scaled(t, f) for t, f in zip(parts, factors)]
-    if not summed:
-        return out, target
-    total = out[0]
-    for t in out[1:]:
-        total = total + t
-    return total, target
+    return (sum(out[1:], out[0]) if summed else out), target  # (summed in order)
