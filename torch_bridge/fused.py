@@ -14,7 +14,7 @@ inductor fuses into a few loops over the tensors.
 The function's tensors (or ``None``, in any pytree of tuples, lists and NamedTuples) are its
 arguments; everything else it reads (the config, a fan-in) is *static*, part of the cache key,
 baked into the graph. So are the tensors' shapes and strides: each new shape compiles anew, up
-to :attr:`FusedMath.max_shapes` per decision (a layer, a cast, a merge), beyond which
+to ``FusedMath(max_shapes=...)`` per decision (a layer, a cast, a merge), beyond which
 :meth:`FusedMath.call` warns once and returns ``None`` (the caller then runs the decision op by
 op). A size that
 follows the batch in a 0-d decision is an argument (:meth:`FusedMath.constant`). Compiled code
@@ -87,7 +87,7 @@ class FusedMath:
              point: Hashable = None) -> Any:
         """``fn(*static, xp, *args)`` on tensors of any shape, compiled for their shapes and
         strides; ``None`` where the decision ``point`` (a layer's name: shapes are counted per
-        decision, over steps) compiled :attr:`max_shapes` of them already (warned once)."""
+        decision, over steps) compiled ``max_shapes`` of them already (warned once)."""
         return self._run(fn, static, args, scalars=False, point=point)
 
     def _run(self, fn: Callable[..., Any], static: tuple[Hashable, ...], args: tuple[Any, ...],

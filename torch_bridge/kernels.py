@@ -6,7 +6,7 @@ it: :class:`torch_bridge.fused.FusedMath` traces it once per signature and shape
 fuses the whole into a few loops over the tensors (one call from the hook, instead of a dozen
 reductions, the copies a CPU's eager statistics make, the math, and the rescale). The
 statistics are written as plain reductions, what the op-by-op helpers of
-:mod:`torch_bridge.hooks` compute (those take faster routes per device: a dot product of an fp32
+``torch_bridge/hooks.py`` compute (those take faster routes per device: a dot product of an fp32
 copy, ``_foreach`` norms; the tests pin them equal). The first argument after ``xp`` is always a
 tensor the backward hands on; everything before ``xp`` is static.
 """
@@ -101,7 +101,7 @@ def layer(config: AdaLossConfig, fan_in: int, wgrad_limit: float | None, conv: b
           xp: Any, g: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None, incoming: torch.Tensor,
           backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any, behind: Sequence[Any]
           ) -> tuple[torch.Tensor, decisions.LayerDecision]:
-    """A weighted layer's cotangent ``g`` times its decision (:func:`decisions.layer`) and the
+    """A weighted layer's cotangent ``g`` times its decision (:func:`torch_bridge.decisions.layer`) and the
     decision, from the statistics of ``g``, of its weight ``w`` (None: the ``"gradient"``
     model) and of its saved activation ``x`` (None: no 16-bit weight gradient to cap;
     :func:`wgrad_columns`); without a cached σ the cotangent's full statistics, else its
@@ -124,7 +124,7 @@ def cast(config: AdaLossConfig, xp: Any, gs: Sequence[torch.Tensor], incoming: t
          cached_scale: Any, cached_logs: solver.LogStats | None, region: Any
          ) -> tuple[list[torch.Tensor], decisions.CastDecision]:
     """A narrowing cast's (or an opaque region's) cotangents ``gs`` times its decision
-    (:func:`decisions.cast`, from the first one's :func:`log_sums`, or from ``cached_logs``
+    (:func:`torch_bridge.decisions.cast`, from the first one's :func:`log_sums`, or from ``cached_logs``
     and its current ``max|g|``) and the decision."""
     g = gs[0]
     if region is not None or cached_logs is None:
@@ -138,7 +138,7 @@ def cast(config: AdaLossConfig, xp: Any, gs: Sequence[torch.Tensor], incoming: t
 def merge(config: AdaLossConfig, limit: float, backed_off: bool, summed: bool, xp: Any,
           parts: Sequence[torch.Tensor], scales: Sequence[Any], backoff: Any) -> tuple[Any, Any]:
     """Contributions ``parts`` (carrying ``scales``) brought to their common scale
-    (:func:`decisions.merge`): summed into one tensor (``summed``) or each rescaled, and the
+    (:func:`torch_bridge.decisions.merge`): summed into one tensor (``summed``) or each rescaled, and the
     common scale."""
     target, factors = decisions.merge(config, limit, backed_off, xp, scales, [extremes(t) for t in parts],
                                       backoff)
