@@ -587,7 +587,12 @@ def peek_saved(node: Any, attr: str) -> torch.Tensor | None:
 
 def read_saved(node: Any, attr: str) -> torch.Tensor | None:
     """``node``'s saved tensor ``attr`` on its device, where reading it leaves it for the node's
-    own backward (see :func:`peek_saved`), else None."""
+    own backward (see :func:`peek_saved`), else None: the data as saved (an unpack would make
+    a second tensor of the same values, a few µs each), or ``save_on_cpu``'s unpacked copy."""
+    raw = getattr(node, "_raw" + attr, None)
+    data = getattr(raw, "data", None)
+    if isinstance(data, torch.Tensor):
+        return data
     return None if peek_saved(node, attr) is None else getattr(node, attr)
 
 

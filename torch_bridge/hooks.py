@@ -443,6 +443,7 @@ class ScaledBackward:
         self.host_math = host_math
         self.adaptive = adaptive  # False: no per-layer scales, the seed (init_scale) only
         self.sm = ON_TENSORS
+        self._fuse = False  # this pass runs its decisions as compiled calls (_fusing)
         self.handles: list[Any] = []
         self.leaf_handles: list[Any] = []
         self.active = False
@@ -595,6 +596,7 @@ class ScaledBackward:
         self.active = True
         g = go[0]
         self.sm = scalar_math(g, self.host_math and self.fused is None)
+        self._fuse = self.fused is not None and self.sm is ON_TENSORS and not self.config.fp8
         self.bo = None if self.backoff is None else self.sm.to_xp(self.backoff.to(g.device))
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
         self.values[0] = self.sm.to_xp(init)
@@ -656,7 +658,9 @@ class ScaledBackward:
     def _lift_of(self, decision: str, g: torch.Tensor) -> Any:
         """``2^k`` of the decision's weight, in the pass's scalar namespace (None: no lift)."""
         lift = self.lift.get(weight_of(decision))
-        return None if lift is None else self.sm.to_xp(lift.to(g.device))
+        if lift is None:
+            return None
+        return self.sm.to_xp(lift if lift.device == g.device else lift.to(g.device))
 
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
         for k, msym in p.merges.items():
@@ -755,8 +759,7 @@ class ScaledBackward:
         """Whether this decision runs as one compiled call (:mod:`torch_bridge.kernels`):
         ``fuse_decisions``, decisions on tensors, plain tensors (not a subclass: a ``DTensor``,
         a ``FakeTensor``), not an fp8 format."""
-        return (self.fused is not None and self.sm is ON_TENSORS and not self.config.fp8
-                and all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors))
+        return self._fuse and all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
     def _math(self, fn: Callable[..., Any], static: tuple[Any, ...], *args: Any) -> Any:
         """``fn(*static, xp, *args)`` (a function of :mod:`torch_bridge.decisions`) in the pass's
