@@ -7,8 +7,8 @@ fuses the whole into a few loops over the tensors (one call from the hook, inste
 reductions, the copies a CPU's eager statistics make, the math, and the rescale). The
 statistics are written as plain reductions, what the op-by-op helpers of
 ``torch_bridge/hooks.py`` compute (those take faster routes per device: a dot product of an fp32
-copy, ``_foreach`` norms; the tests pin them equal). The first argument after ``xp`` is always a
-tensor the backward hands on; everything before ``xp`` is static.
+copy, ``_foreach`` norms; the tests pin them equal). The arguments after ``xp`` are tensors (or
+``None``, in lists and NamedTuples); everything before ``xp`` is static.
 """
 
 from __future__ import annotations
