@@ -18,8 +18,8 @@ def _spread(shape, dtype, seed, top=2):
 def test_inductor_compiled_decisions_equal_their_traced_graphs():
     """A layer's, a cast's and a merge's compiled call (statistics, math and rescale fused by
     inductor) gives the scales and the rescaled cotangents of its traced graph run op by op,
-    bit for bit (powers of two), and the unrounded statistics to rounding; a weight read
-    through a transposed view, as autograd saves it."""
+    bit for bit (powers of two), and the unrounded statistics to rounding; the weights'
+    statistics read through a transposed view, as autograd saves a weight."""
     cfg = AdaLossConfig()
     g, x = _spread((64, 48), torch.float16, 0, top=-8), _spread((64, 32), torch.float16, 1)
     w = (0.05 * torch.randn(48, 32, generator=torch.Generator().manual_seed(2))).half().t()
@@ -29,12 +29,13 @@ def test_inductor_compiled_decisions_equal_their_traced_graphs():
     out = {}
     for backend in ("eager", "inductor"):
         fm = FusedMath(backend)
-        layer = fm.call(kernels.layer, (cfg, 32, None, False, 1), g, x, w, incoming, backoff,
+        (ws,) = fm.call(kernels.weights, (), [w])
+        layer = fm.call(kernels.layer, (cfg, 32, w.numel(), None, False, 1), g, x, ws, incoming, backoff,
                         None, None, None, [])
         cast = fm.call(kernels.cast, (cfg,), [logits], incoming, backoff, None, None, None)
         merge = fm.call(kernels.merge, (cfg, cfg.overflow_limit, True, True), parts,
                         [torch.tensor(2.0**6), torch.tensor(2.0**9)], backoff)
-        assert len(fm) == 3
+        assert len(fm) == 4
         out[backend] = (layer, cast, merge)
     (layer, cast, merge), (c_layer, c_cast, c_merge) = out["eager"], out["inductor"]
     assert torch.equal(layer[0], c_layer[0]) and torch.equal(cast[0][0], c_cast[0][0])

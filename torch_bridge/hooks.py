@@ -707,13 +707,13 @@ class ScaledBackward:
         lift = self._lift_of(p.name, g)
         operand = self._wgrad_operand(p, g)
         got = None
-        if self._fusing(g):  # statistics, math and rescale: one compiled call
-            w = None if cfg.model == "gradient" else self._weight(p)
-            x = None if operand is None else operand[0]
-            static = (cfg, p.fan_in, self._wgrad_limit(g), p.act_attr == "_saved_input", p.weight_side)
-            if self._fusing(*(t for t in (x, w) if t is not None)):
-                got = self.fused.call(kernels.layer, static, g, x, w, incoming, self.bo, lift,
-                                      *((None, None) if cached is None else cached), limited, point=p.name)
+        x = None if operand is None else operand[0]
+        if self._fusing(g, *(() if x is None else (x,))):  # statistics, math and rescale: one call
+            ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
+            static = (cfg, p.fan_in, w_size, self._wgrad_limit(g), p.act_attr == "_saved_input",
+                      p.weight_side)
+            got = self.fused.call(kernels.layer, static, g, x, ws, incoming, self.bo, lift,
+                                  *((None, None) if cached is None else cached), limited, point=p.name)
         if got is None:
             dec = self._layer_decision(p, g, operand, cached, incoming, lift, limited)
             go[0] = self._rescale(g, dec.d.scale)
@@ -1021,13 +1021,22 @@ class ScaledBackward:
                 if type(w) in (torch.Tensor, torch.nn.Parameter) and w.untyped_storage().nbytes() > 0:
                     layers.append(q)
                     weights.append(w)
-            stats = weight_stats(weights)
+            stats = self._weight_sums(weights, "weights")
             self._weights = {q.index: (st, w.numel()) for q, st, w in zip(layers, stats, weights)}
         got = self._weights.get(p.index)
         if got is None:
             w = self._weight(p)
-            got = weight_stats([w])[0], w.numel()
+            got = self._weight_sums([w], p.name)[0], w.numel()
         return got
+
+    def _weight_sums(self, weights: list[torch.Tensor], point: str) -> list[decisions.WeightStats]:
+        """:func:`weight_stats` of ``weights``, or one compiled call for them all where the pass
+        fuses (:func:`torch_bridge.kernels.weights`)."""
+        if weights and self._fusing(*weights):
+            got = self.fused.call(kernels.weights, (), weights, point=point)
+            if got is not None:
+                return got
+        return weight_stats(weights)
 
     def _wgrad_limit(self, g: torch.Tensor) -> float | None:
         """What a node's 16-bit weight gradient must stay below: ``u_max``, or with an fp8

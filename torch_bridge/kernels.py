@@ -97,15 +97,21 @@ def column_sq_max(m: torch.Tensor) -> torch.Tensor:
     return m.to(_F32).square().sum(0).amax()
 
 
-def layer(config: AdaLossConfig, fan_in: int, wgrad_limit: float | None, conv: bool, weight_side: int,
-          xp: Any, g: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None, incoming: torch.Tensor,
-          backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any, behind: Sequence[Any]
-          ) -> tuple[torch.Tensor, decisions.LayerDecision]:
-    """A weighted layer's cotangent ``g`` times its decision (:func:`torch_bridge.decisions.layer`) and the
-    decision, from the statistics of ``g``, of its weight ``w`` (None: the ``"gradient"``
-    model) and of its saved activation ``x`` (None: no 16-bit weight gradient to cap;
-    :func:`wgrad_columns`); without a cached σ the cotangent's full statistics, else its
-    extremes only."""
+def weights(xp: Any, ws: Sequence[torch.Tensor]) -> list[decisions.WeightStats]:
+    """Every weight's :func:`weight_sums`, in one call (read for all the layers at the first one a
+    backward reaches: a stream over them all, where a layer's own call would wait on its weight)."""
+    return [weight_sums(w) for w in ws]
+
+
+def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | None, conv: bool,
+          weight_side: int, xp: Any, g: torch.Tensor, x: torch.Tensor | None, w: decisions.WeightStats | None,
+          incoming: torch.Tensor, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
+          behind: Sequence[Any]) -> tuple[torch.Tensor, decisions.LayerDecision]:
+    """A weighted layer's cotangent ``g`` times its decision (:func:`torch_bridge.decisions.layer`)
+    and the decision, from the statistics of ``g``, its weight's (``w``, of ``w_size`` entries:
+    :func:`weights`; None: the ``"gradient"`` model) and of its saved activation ``x`` (None: no
+    16-bit weight gradient to cap; :func:`wgrad_columns`); without a cached σ the cotangent's full
+    statistics, else its extremes only."""
     fresh = cached_sigma is None
     gs = sums(g, config.model == "gradient") if fresh else extremes(g)
     n = None if not config.underflow_feedback else counts(g, config.underflow_limit)
@@ -113,10 +119,8 @@ def layer(config: AdaLossConfig, fan_in: int, wgrad_limit: float | None, conv: b
     if x is not None:
         gm, xm = wgrad_columns(g, x, conv, weight_side)
         norms, rows = (column_sq_max(gm), column_sq_max(xm)), gm.shape[0]
-    ws = None if w is None else weight_sums(w)
-    dec = decisions.layer(config, fan_in, 0 if w is None else w.numel(), wgrad_limit, xp, g.numel(), gs, ws,
-                          norms, float(rows) ** 0.5, incoming, backoff, lift, cached_scale, cached_sigma, n,
-                          behind)
+    dec = decisions.layer(config, fan_in, w_size, wgrad_limit, xp, g.numel(), gs, w, norms,
+                          float(rows) ** 0.5, incoming, backoff, lift, cached_scale, cached_sigma, n, behind)
     return scaled(g, dec.d.scale), dec
 
 
