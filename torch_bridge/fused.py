@@ -8,8 +8,8 @@ math. A :class:`FusedMath` traces a pure function of tensors into an aten graph 
 on fake tensors: a branch on a value raises instead of being baked in) and compiles that
 graph with inductor: a decision's scalar math alone (:mod:`torch_bridge.decisions`, 0-d
 tensors in and out: one kernel), or its whole work (:mod:`torch_bridge.kernels`: the
-statistics of its cotangent, weight and activation, the math, the rescaled cotangent), which
-inductor fuses into a few loops over the tensors.
+statistics of its cotangent and activation, the math, the rescaled cotangent), which inductor
+fuses into a few loops over the tensors.
 
 The function's tensors (or ``None``, in any pytree of tuples, lists and NamedTuples) are its
 arguments; everything else it reads (the config, a fan-in) is *static*, part of the cache key,

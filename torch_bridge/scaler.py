@@ -110,8 +110,9 @@ class AdaLossScaler:
       host_math: for CPU gradients, compute the scalar decisions on NumPy fp32
         scalars (same arithmetic, ~8x cheaper than 0-d tensors); accelerator
         gradients always use device tensors, and so does ``fuse_decisions``.
-      fuse_decisions: run each decision (the statistics of its cotangent, weight and
-        activation, its scalar math, the rescaled cotangent) as one compiled call
+      fuse_decisions: run each decision (the statistics of its cotangent and activation,
+        its scalar math, the rescaled cotangent) as one compiled call, and the weights'
+        statistics as one more per backward
         (:mod:`torch_bridge.kernels`, :class:`torch_bridge.fused.FusedMath`: ``True`` or
         ``"inductor"``; ``"eager"`` runs the traced graphs op by op; or a ``FusedMath`` of
         your own), on any device: CPU gradients too (``host_math`` then does not apply).
