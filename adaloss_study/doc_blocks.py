@@ -189,9 +189,10 @@ def torch_ops_summary(docs: Path) -> list[str]:
            f"{span('AdaLossScaler, device math')} `torch.amp.GradScaler`'s"]
     if all(FUSED in r["ops"] for r in rows):
         calls = sorted({f"{r['compiled_calls'][FUSED] / r['decisions']:.1f}" for r in rows}, key=float)
-        out[0] += (f", each decision one compiled call (`fuse_decisions=True`) {span(FUSED)} and "
-                   f"{'-'.join(calls[::len(calls) - 1] if len(calls) > 1 else calls)} calls per decision "
-                   "(one kernel each on a CPU, a few on a GPU)")
+        per = "-".join(calls[::len(calls) - 1] if len(calls) > 1 else calls)
+        out[0] += (f", compiled (`fuse_decisions=True`: a call per layer, cast and merge, one for the "
+                   f"weights) {span(FUSED)} plus {per} compiled calls per layer or cast (one kernel each on "
+                   "a CPU, a few on a GPU)")
     out[0] += f"; on host scalars (a CPU's default) {span('AdaLossScaler')}."
     if (docs / "torch_step_bf16.json").exists():  # bf16 GEMMs: fast on a CPU, as fp16's are on a GPU
         bf16 = _json(docs, "torch_step_bf16.json")
