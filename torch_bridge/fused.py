@@ -16,8 +16,8 @@ arguments; everything else it reads (the config, a fan-in) is *static*, part of 
 baked into the graph. So are the tensors' shapes and strides: each new shape compiles anew, up
 to ``FusedMath(max_shapes=...)`` per decision (a layer, a cast, a merge), beyond which
 :meth:`FusedMath.call` warns once and returns ``None`` (the caller then runs the decision op by
-op). A size that
-follows the batch in a 0-d decision is an argument (:meth:`FusedMath.constant`). Compiled code
+op). A size that follows the batch in a 0-d decision is an argument (:meth:`FusedMath.constant`).
+Compiled code
 computes each operation once in fp32, as JAX and NumPy do (eager torch divides a Python number
 by a tensor as a reciprocal times the number, two roundings), and fuses a chain of 16-bit
 elementwise ops without rounding between them: the scales, powers of two, are the same as op by
@@ -131,10 +131,7 @@ class FusedMath:
 
         def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
             out: list[torch.Tensor] = []
-            try:
-                out_spec.append(_flatten(fn(*static, xp, *_unflatten(spec, iter(ts))), out, fn, False))
-            except TypeError as e:
-                raise TypeError(f"{fn.__name__}: a fused decision returns tensors ({e})") from None
+            out_spec.append(_flatten(fn(*static, xp, *_unflatten(spec, iter(ts))), out, fn, False, "returns"))
             return out
 
         # one fresh tensor per argument: make_fx traces a tensor passed twice (two parts carrying
@@ -152,19 +149,21 @@ class FusedMath:
 _TENSOR = "tensor"  # a leaf of a spec
 
 
-def _flatten(v: Any, leaves: list[torch.Tensor], fn: Callable[..., Any], scalars: bool) -> Any:
+def _flatten(v: Any, leaves: list[torch.Tensor], fn: Callable[..., Any], scalars: bool,
+             role: str = "takes") -> Any:
     """The tensors of ``v`` (tensors and ``None`` in tuples, lists and NamedTuples) appended to
-    ``leaves``, and its structure (hashable: what :func:`_unflatten` rebuilds ``v`` from)."""
+    ``leaves``, and its structure (hashable: what :func:`_unflatten` rebuilds ``v`` from); what
+    ``fn`` ``role`` (takes, returns) must be tensors (``scalars``: 0-d)."""
     if isinstance(v, torch.Tensor):
         if scalars and v.dim() != 0:
-            raise TypeError(f"{fn.__name__}: a fused decision takes 0-d tensors, got Tensor{list(v.shape)}")
+            raise TypeError(f"{fn.__name__}: a fused decision {role} 0-d tensors, got Tensor{list(v.shape)}")
         leaves.append(v)
         return _TENSOR
     if v is None:
         return None
     if isinstance(v, (tuple, list)):
-        return type(v), tuple(_flatten(x, leaves, fn, scalars) for x in v)
-    raise TypeError(f"{fn.__name__}: a fused decision takes {'0-d tensors' if scalars else 'tensors'}, "
+        return type(v), tuple(_flatten(x, leaves, fn, scalars, role) for x in v)
+    raise TypeError(f"{fn.__name__}: a fused decision {role} {'0-d tensors' if scalars else 'tensors'}, "
                     f"got {type(v).__name__}")
 
 

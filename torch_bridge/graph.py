@@ -589,11 +589,10 @@ def read_saved(node: Any, attr: str) -> torch.Tensor | None:
     """``node``'s saved tensor ``attr`` on its device, where reading it leaves it for the node's
     own backward (see :func:`peek_saved`), else None: the data as saved (an unpack would make
     a second tensor of the same values, a few µs each), or ``save_on_cpu``'s unpacked copy."""
-    raw = getattr(node, "_raw" + attr, None)
-    data = getattr(raw, "data", None)
-    if isinstance(data, torch.Tensor):
+    data = peek_saved(node, attr)
+    if data is None or not _offloaded(getattr(node, "_raw" + attr, None)):
         return data
-    return None if peek_saved(node, attr) is None else getattr(node, attr)
+    return getattr(node, attr)
 
 
 def _scalar_operand(node: Any, i: int) -> bool:

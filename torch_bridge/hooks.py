@@ -708,14 +708,14 @@ class ScaledBackward:
         operand = self._wgrad_operand(p, g)
         got = None
         x = None if operand is None else operand[0]
+        ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
         if self._fusing(g, *(() if x is None else (x,))):  # statistics, math and rescale: one call
-            ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
             static = (cfg, p.fan_in, w_size, self._wgrad_limit(g), p.act_attr == "_saved_input",
                       p.weight_side)
             got = self.fused.call(kernels.layer, static, g, x, ws, incoming, self.bo, lift,
                                   *((None, None) if cached is None else cached), limited, point=p.name)
         if got is None:
-            dec = self._layer_decision(p, g, operand, cached, incoming, lift, limited)
+            dec = self._layer_decision(p, g, operand, (ws, w_size), cached, incoming, lift, limited)
             go[0] = self._rescale(g, dec.d.scale)
         else:
             go[0], dec = got
@@ -731,11 +731,12 @@ class ScaledBackward:
                                            False if dec.held is None else dec.held)
 
     def _layer_decision(self, p: NodePlan, g: torch.Tensor, operand: tuple[torch.Tensor, int] | None,
-                        cached: tuple[Any, Any] | None, incoming: Any, lift: Any, limited: list[Any]
-                        ) -> decisions.LayerDecision:
-        """A layer's decision from statistics read op by op (:meth:`_layer`)."""
+                        weight: tuple[decisions.WeightStats | None, int], cached: tuple[Any, Any] | None,
+                        incoming: Any, lift: Any, limited: list[Any]) -> decisions.LayerDecision:
+        """A layer's decision from its cotangent's statistics read op by op (:meth:`_layer`), and
+        its weight's (:meth:`_weight_stats`, and its size)."""
         cfg = self.config
-        ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
+        ws, w_size = weight
         norms, rows = (None, 0) if operand is None else self._weight_grad_norms(p, g, operand)
         counts = None
         if cached is None or cached[1] is None:
