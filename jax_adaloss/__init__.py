@@ -10,11 +10,13 @@ from jax_adaloss.api import grad, value_and_grad
 from jax_adaloss.collectives import pmean, psum, tree_add, tree_scale
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import ScaledGrad, StatelessScaledGrad, is_scaled_grad, unscale_tree
-from jax_adaloss.transform import AdaLossState, adaloss
+from jax_adaloss.skips import SkipMonitor, skip_diagnosis
+from jax_adaloss.transform import AdaLossState, SkipRecord, adaloss
 from jax_adaloss.underflow import LayerUnderflow, layer_cotangents, measure_underflow
 
 __all__ = [
     "AdaLossConfig", "AdaLossState", "BackwardReport", "LayerReport", "ScaleCache", "ScaledGrad",
     "StatelessScaledGrad", "adaloss", "grad", "is_scaled_grad", "unscale_tree", "value_and_grad",
     "LayerUnderflow", "layer_cotangents", "measure_underflow", "pmean", "psum", "tree_add", "tree_scale",
+    "SkipMonitor", "SkipRecord", "skip_diagnosis",
 ]

@@ -16,7 +16,7 @@ from adaloss.config import AdaLossConfig
 from jax_adaloss import _nnx
 from jax_adaloss.backward import _is_float, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
-from jax_adaloss.scaled_grad import ScaledGrad, mark_stateless
+from jax_adaloss.scaled_grad import NO_LAYER, ScaledGrad, encode_trace, mark_stateless, trace_parts
 
 CACHE_KWARG = "adaloss_cache"
 STATE_KWARG = "adaloss_state"
@@ -170,9 +170,10 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         dyn_vals = [flat[i] for i in dyn]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         backoff_f, lift_f = backoff if backoff is not None else (None, None)
-        outs, cts, report, signals, inverses = scaled_backward(closed, dyn_vals, diff, origins, config, cache,
-                                                     capture_cotangents, adaptive, fp32_backward,
-                                                     backoff_f, lift_f, report=return_report)
+        outs, cts, report, signals, inverses, traces = scaled_backward(
+            closed, dyn_vals, diff, origins, config, cache, capture_cotangents, adaptive, fp32_backward,
+            backoff_f, lift_f, report=return_report)
+        no_layer = None  # a leaf that is no layer's weight: only whether the loss was finite
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
         grad_leaves: list[Any] = list(flat)
         for i, d, ct, inverse, origin in zip(dyn, diff, cts, inverses, origins):
@@ -181,11 +182,19 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
             if d and ct is not None and signal is not None:
                 signal = _invariant_like(signal, ct[0])
             if d:
+                trace = traces.get(origin) if origin is not None else None
+                if trace is None:
+                    if no_layer is None:
+                        no_layer = encode_trace(NO_LAYER, True, jnp.isfinite(outs[0]))
+                    trace = no_layer
+                if ct is not None:
+                    trace = _invariant_like(trace, ct[0], trace=True)
                 if ct is None:
-                    grad_leaves[i] = ScaledGrad.of(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal)
+                    grad_leaves[i] = ScaledGrad.of(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal,
+                                                   trace=trace)
                 else:
                     grad_leaves[i] = ScaledGrad.of(jnp.asarray(ct[0]).astype(leaf.dtype), ct[1], signal,
-                                                   inverse=inverse)
+                                                   inverse=inverse, trace=trace)
             elif _is_array(leaf) and not _is_float(jnp.result_type(leaf)):
                 grad_leaves[i] = np.zeros(np.shape(leaf), jax.dtypes.float0)
         grads_args, _ = jax.tree_util.tree_unflatten(treedef, grad_leaves)
@@ -301,12 +310,15 @@ def _check_output(out: Any) -> None:
                         f"of np.floating), but got {out.dtype}.")
 
 
-def _invariant_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+def _invariant_like(x: jax.Array, ref: jax.Array, trace: bool = False) -> jax.Array:
     """``x`` reduced (max) over the ``shard_map`` axes ``ref`` is invariant over and ``x`` is
     not: a gradient summed over devices in the backward carries the largest device's underflow
-    signal, so that every device updates the same state."""
+    signal, so that every device updates the same state. A ``trace``
+    (:func:`~jax_adaloss.scaled_grad.encode_trace`): the minimum of each of its parts."""
     axes = tuple(sorted(_varying(x) - _varying(ref), key=str))
-    return jax.lax.pmax(x, axes) if axes else x
+    if not axes:
+        return x
+    return encode_trace(*jax.lax.pmin(trace_parts(x), axes)) if trace else jax.lax.pmax(x, axes)
 
 
 def _varying(a: jax.Array) -> frozenset[Any]:

@@ -44,6 +44,7 @@ per equation, so the reverse sweep is ours and knows, for every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections import defaultdict
@@ -60,6 +61,7 @@ from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss import reductions
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
+from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
 from jax_adaloss.scaled_grad import rescale as _rescale
 from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, wide_vjp, widenable
 
@@ -584,6 +586,9 @@ class _Sweep:
         self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
         self.unlifted: list[str] = []  # layer decisions whose weight the lift state lacks
         self.region_signals: dict[str, list[Any]] = {}  # weight -> underflow ratios from scans
+        # layer decisions in the order the sweep reaches them: (weight, position, whether the
+        # incoming cotangent was finite), for the trace of a skipped step (traces)
+        self.health: list[tuple[str, int, Any]] = []
         self.capture, self.adaptive = capture, adaptive
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
@@ -900,6 +905,7 @@ class _Sweep:
             frac = solver.subnormal_fraction_of_counts(gs.nonzero, gs.below, gs.size, cfg, jnp, gs.absmax)
             for name in behind:
                 self.fractions[name].append(frac)
+        self._checked(node.name, gs.absmax)
         d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
                                cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
         scale, outgoing = self._settle((d.scale, incoming * d.scale))
@@ -999,6 +1005,7 @@ class _Sweep:
                              False, fractions, current)
             return
         weight = node.weight
+        self._checked(node.name, solver.absmax(q_ext, jnp))
 
         modelled = cfg.fp8_rule != "current" and cfg.layer_rule
         ws = reductions.statistics(weight, sq_mean=modelled).magnitude()
@@ -1094,6 +1101,25 @@ class _Sweep:
             unrounded_scale=d.unrounded, incoming_held=jnp.asarray(held), flushed=flushed,
             subnormal=subnormal, saturated=saturated,
             current=None if current is None else jnp.asarray(current))
+
+    def _checked(self, decision: str, g_absmax: Any) -> None:
+        """Record that the sweep reached ``decision`` with a cotangent whose ``max|g|`` is this."""
+        self.health.append((weight_of(decision), len(self.health), jnp.isfinite(g_absmax)))
+
+    def traces(self, loss: Any) -> dict[str, Any]:
+        """Per weight, :func:`~jax_adaloss.scaled_grad.encode_trace` of its layer decisions: the
+        position of the first whose incoming cotangent was not finite (else of its first), whether
+        it was finite, and whether ``loss`` is (one kernel per 16 weights on a GPU)."""
+        uses: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+        for w, position, ok in self.health:
+            uses[w].append((position, ok))
+        loss_ok = jnp.isfinite(loss)
+        out = {}
+        for w, found in uses.items():
+            bad = functools.reduce(jnp.minimum, [jnp.where(ok, NO_LAYER, p) for p, ok in found])
+            first = min(p for p, _ in found)
+            out[w] = encode_trace(jnp.where(bad < NO_LAYER, bad, first), bad >= NO_LAYER, loss_ok)
+        return _materialized(out)
 
     def underflow_signals(self) -> dict[str, Any]:
         """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
@@ -1324,7 +1350,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
                     fp32: bool = False, backoff: Any = None, lift: dict[str, Any] | None = None,
                     report: bool = True
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any],
-                               list[Any]]:
+                               list[Any], dict[str, Any]]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
 
     ``diff[i]``: flat argument ``i`` is differentiated; ``origins[i]``: its weight name
@@ -1341,7 +1367,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     argument, the report, and per weight the underflow ratio its decisions left
     (:meth:`_Sweep.underflow_signals`; empty without ``config.underflow_feedback``), and per
     flat argument ``1 / scale`` of its gradient where the backward computed it with the scale
-    (else ``None``).
+    (else ``None``), and per weight the trace a skipped step keeps (:meth:`_Sweep.traces`).
     """
     tape = _Tape(config, regions=adaptive)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
@@ -1364,4 +1390,4 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
                       AdaLossCoverageWarning, stacklevel=3)
     grads = [sweep.take(s) if d else None for s, d in zip(in_slots, diff)]
     inverses = [None if g is None else sweep.inverse_of(g[1]) for g in grads]
-    return outs, grads, sweep.report(), sweep.underflow_signals(), inverses
+    return outs, grads, sweep.report(), sweep.underflow_signals(), inverses, sweep.traces(loss)

@@ -9,8 +9,9 @@ ratio ≤ 1, applied in fp32: exact, and nothing can overflow), then the values 
 the result carries that common scale. Plain array leaves are reduced as ``jax.lax`` would.
 
 Cost against ``jax.lax.pmean`` on the unscaled gradients: one extra all-reduce (``pmin``) of a
-vector of three fp32 scalars per ``ScaledGrad`` leaf (common scale, underflow signal, consistency),
-and one multiply per gradient entry; the values travel in their own dtype.
+vector of six fp32 scalars per ``ScaledGrad`` leaf (common scale, underflow signal, consistency,
+the three parts of its skip trace), and one multiply per gradient entry; the values travel in
+their own dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_adaloss.scaled_grad import ScaledGrad, is_scaled_grad, kind_of, rescale
+from jax_adaloss.scaled_grad import (
+    ScaledGrad,
+    combine_traces,
+    encode_trace,
+    is_scaled_grad,
+    kind_of,
+    rescale,
+    trace_parts,
+)
 
 _F32 = jnp.float32
 
@@ -42,14 +51,19 @@ def _collective(op: Callable[..., Any], grads: Any, axis_name: Any) -> Any:
     if scaled:
         gs = [leaves[i] for i in scaled]
         has_signal = [g.underflow is not None for g in gs]
-        # one all-reduce for every scalar: pmin of (scale, −underflow, −mismatch)
-        local = jnp.stack([jnp.stack([jnp.asarray(g.scale, _F32),
-                                      -(jnp.asarray(g.underflow, _F32) if s else jnp.zeros((), _F32)),
-                                      -g.mismatch()]) for g, s in zip(gs, has_signal)])
+        traced = [g.trace is not None for g in gs]
+        # one all-reduce for every scalar: pmin of (scale, −underflow, −mismatch, the trace's
+        # parts: the earliest non-finite layer and any non-finite value on any device)
+        local = jnp.stack([jnp.concatenate([
+            jnp.stack([jnp.asarray(g.scale, _F32),
+                       -(jnp.asarray(g.underflow, _F32) if s else jnp.zeros((), _F32)), -g.mismatch()]),
+            trace_parts(g.trace if t else encode_trace(0, 1, 1))])
+            for g, s, t in zip(gs, has_signal, traced)])
         agreed = jax.lax.pmin(local, axis_name)
         values = op([_rescaled(g, agreed[k, 0]) for k, g in enumerate(gs)], axis_name)
-        for k, (i, v, s) in enumerate(zip(scaled, values, has_signal)):
-            out[i] = kind_of(gs[k]).of(v, agreed[k, 0], -agreed[k, 1] if s else None, -agreed[k, 2])
+        for k, (i, v, s, t) in enumerate(zip(scaled, values, has_signal, traced)):
+            out[i] = kind_of(gs[k]).of(v, agreed[k, 0], -agreed[k, 1] if s else None, -agreed[k, 2],
+                                       trace=encode_trace(*agreed[k, 3:]) if t else None)
     return jax.tree.unflatten(treedef, out)
 
 
@@ -82,7 +96,8 @@ def tree_add(*trees: Any) -> Any:
         value = sum((_rescaled(g, common) for g in gs[1:]), _rescaled(gs[0], common))
         signals = [g.underflow for g in gs if g.underflow is not None]
         underflow = None if not signals else _max(signals)
-        return kind_of(*gs).of(value, common, underflow, _max([g.mismatch() for g in gs]))
+        return kind_of(*gs).of(value, common, underflow, _max([g.mismatch() for g in gs]),
+                               trace=combine_traces([g.trace for g in gs]))
     return jax.tree.map(add, *trees, is_leaf=is_scaled_grad)
 
 

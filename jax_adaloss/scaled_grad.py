@@ -34,6 +34,11 @@ class ScaledGrad(NamedTuple):
         transformation is loud under ``jit`` too, instead of skipping every step. (``jnp.add``
         of two booleans is a boolean: a ``jax.tree.map(jnp.add, ...)`` is caught by
         ``inverse``.)
+      trace: fp32 scalar or ``None``: what :func:`jax_adaloss.adaloss` keeps of a skipped step to
+        say why (:mod:`adaloss.skips`), :func:`encode_trace` of the backward position of this
+        leaf's layer (the first, from the loss, whose incoming cotangent was not finite if any
+        was; :data:`NO_LAYER` for a leaf that is no layer's weight), whether that cotangent was
+        finite, and whether the loss was.
     """
 
     value: jax.Array
@@ -41,10 +46,12 @@ class ScaledGrad(NamedTuple):
     underflow: jax.Array | None = None
     inverse: jax.Array | None = None
     marker: jax.Array | None = None
+    trace: jax.Array | None = None
 
     @classmethod
     def of(cls, value: jax.Array, scale: jax.Array, underflow: jax.Array | None = None,
-           mismatch: jax.Array | None = None, inverse: jax.Array | None = None) -> ScaledGrad:
+           mismatch: jax.Array | None = None, inverse: jax.Array | None = None,
+           trace: jax.Array | None = None) -> ScaledGrad:
         """A checked ``ScaledGrad`` (``inverse = 1 / scale``: the given one, computed with the
         scale, or here); ``mismatch`` (``|scale · inverse − 1|`` of the gradients it was reduced
         from) carries their inconsistency over."""
@@ -53,7 +60,7 @@ class ScaledGrad(NamedTuple):
             inverse = (1.0 + mismatch) / scale
         elif inverse is None:
             inverse = 1.0 / scale
-        return cls(value, scale, underflow, inverse, jnp.zeros((), jnp.bool_))
+        return cls(value, scale, underflow, inverse, jnp.zeros((), jnp.bool_), trace)
 
     def mismatch(self) -> jax.Array:
         """``|scale · inverse − 1|``: 0 for a gradient as the backward made it (0 if unchecked)."""
@@ -103,11 +110,49 @@ def _register(cls: type) -> None:
         return tuple(zip(keys, g)), None
 
     def unflatten(_: None, children: Any) -> ScaledGrad:
-        _check_marker(children[-1])
+        _check_marker(children[_MARKER])
         return cls(*children)
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten,
                                             flatten_func=lambda g: (tuple(g), None))
+
+
+_MARKER = ScaledGrad._fields.index("marker")
+
+#: The position :func:`encode_trace` gives a leaf that is no layer's weight (after every layer).
+NO_LAYER = 2**20
+
+
+def encode_trace(position: Any, cotangent_finite: Any, loss_finite: Any) -> jax.Array:
+    """``4·position + 2·cotangent_finite + loss_finite`` as an fp32 scalar (exact: positions
+    up to :data:`NO_LAYER`)."""
+    f32 = jnp.float32
+    return (jnp.asarray(position, f32) * 4 + jnp.asarray(cotangent_finite, f32) * 2
+            + jnp.asarray(loss_finite, f32))
+
+
+def trace_parts(code: jax.Array) -> jax.Array:
+    """``[position, cotangent_finite, loss_finite]`` (fp32) of :func:`encode_trace`'s ``code``, in
+    the program: reductions over devices or micro-batches take each part's minimum (the
+    earliest non-finite layer, any non-finite value) and encode them again."""
+    code = jnp.asarray(code, jnp.float32)
+    position = jnp.floor(code / 4)
+    return jnp.stack([position, jnp.floor(code / 2) - 2 * position, jnp.mod(code, 2)])
+
+
+def combine_traces(traces: list[Any]) -> jax.Array | None:
+    """The parts' minimum of several :func:`encode_trace` codes (``None`` if none is given)."""
+    traces = [t for t in traces if t is not None]
+    if not traces:
+        return None
+    parts = jnp.min(jnp.stack([trace_parts(t) for t in traces]), axis=0)
+    return encode_trace(*parts)
+
+
+def decode_trace(code: Any) -> tuple[int, bool, bool]:
+    """``(position, cotangent_finite, loss_finite)`` of a host value of :func:`encode_trace`."""
+    code = int(code)
+    return code // 4, bool(code & 2), bool(code & 1)
 
 
 def kind_of(*grads: ScaledGrad) -> type[ScaledGrad]:

@@ -26,7 +26,33 @@ import optax
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from jax_adaloss.scaled_grad import MISPLACED, ScaledGrad, StatelessScaledGrad, is_scaled_grad
+from jax_adaloss.scaled_grad import (
+    MISPLACED,
+    NO_LAYER,
+    ScaledGrad,
+    StatelessScaledGrad,
+    encode_trace,
+    is_scaled_grad,
+)
+
+
+class SkipRecord(NamedTuple):
+    """What :func:`adaloss` kept of the latest skipped update, for
+    :func:`jax_adaloss.skip_diagnosis` (and :class:`jax_adaloss.SkipMonitor`) to say why. Its
+    fields' names are unique in an optax state (``optax.tree.get(state, "skip_step")``).
+
+    Attributes:
+      skip_step: the ``count`` of that update (int32; -1 before any skip).
+      skip_mixed_scales: whether its scales were combined as values (bool).
+      skip_grad_finite: per parameter leaf, whether its unscaled gradient was finite (bool).
+      skip_trace: per parameter leaf, the gradient's :attr:`ScaledGrad.trace` (fp32; for a
+        plain array, "no layer, finite, loss finite").
+    """
+
+    skip_step: jax.Array
+    skip_mixed_scales: jax.Array
+    skip_grad_finite: Any
+    skip_trace: Any
 
 
 class AdaLossState(NamedTuple):
@@ -55,6 +81,7 @@ class AdaLossState(NamedTuple):
         reached the next layers with more than ``T/2`` of their entries below ``u_min``,
         lowered by one below ``T/32`` (:func:`adaloss.solver.lift_update`); the backward given this
         state multiplies that layer's statistical scale by ``2^k``.
+      last_skip: a :class:`SkipRecord` of the latest skipped update.
       inner_state: state of ``inner`` (``optax.EmptyState()`` without one).
     """
 
@@ -67,11 +94,28 @@ class AdaLossState(NamedTuple):
     backoff: jax.Array
     backoff_good: jax.Array
     lift: jax.Array
+    last_skip: SkipRecord
     inner_state: Any
 
 
 def _one(_: Any) -> jax.Array:
     return jnp.ones((), jnp.float32)
+
+
+#: the trace of a gradient that carries none (a plain array): no layer, everything finite
+_CLEAN = float(encode_trace(NO_LAYER, True, True))
+
+
+def _trace_of(g: Any) -> jax.Array:
+    if isinstance(g, ScaledGrad) and g.trace is not None:
+        return jnp.asarray(g.trace, jnp.float32)
+    return jnp.full((), _CLEAN, jnp.float32)
+
+
+def _no_skip(params: Any) -> SkipRecord:
+    return SkipRecord(skip_step=jnp.full((), -1, jnp.int32), skip_mixed_scales=jnp.asarray(False),
+                      skip_grad_finite=jax.tree.map(lambda _: jnp.asarray(True), params),
+                      skip_trace=jax.tree.map(lambda _: jnp.full((), _CLEAN, jnp.float32), params))
 
 
 def _refuse_stateless(updates: Any) -> None:
@@ -99,12 +143,17 @@ def _scale_of(g: Any) -> jax.Array:
     return jnp.asarray(g.scale, jnp.float32) if isinstance(g, ScaledGrad) else _one(g)
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves(tree)
-              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+def _finite(x: Any) -> jax.Array:
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.all(jnp.isfinite(x))
+    return jnp.asarray(True)
+
+
+def _all_finite(flags: Any) -> jax.Array:
+    leaves = jax.tree.leaves(flags)
     if not leaves:
         return jnp.asarray(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return jnp.all(jnp.stack(leaves))
 
 
 #: ``|scale · inverse − 1|`` above this: scales were combined (fp32 rounding of ``1 / scale``
@@ -164,6 +213,7 @@ def adaloss(config: AdaLossConfig | None = None,
             last_finite=jnp.asarray(True),
             scales=jax.tree.map(_one, params),
             backoff=zero, backoff_good=zero, lift=jax.tree.map(lambda _: zero, params),
+            last_skip=_no_skip(params),
             inner_state=wrapped.init(params) if wrapped is not None else optax.EmptyState(),
         )
 
@@ -178,7 +228,8 @@ def adaloss(config: AdaLossConfig | None = None,
         _refuse_stateless(updates)
         unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
         scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
-        finite = _all_finite(unscaled)
+        grad_finite = jax.tree.map(_finite, unscaled)
+        finite = _all_finite(grad_finite)
         consistent = _consistent(updates)
         ok = finite & consistent
         unscaled = _zero_nonfinite(unscaled, ok)
@@ -197,6 +248,9 @@ def adaloss(config: AdaLossConfig | None = None,
                 return k
             return solver.lift_update(config, k, g.underflow, finite, jnp)
         lift = jax.tree.map(lift_one, updates, state.lift, is_leaf=is_scaled_grad)
+        seen = SkipRecord(skip_step=state.count, skip_mixed_scales=jnp.logical_not(consistent),
+                          skip_grad_finite=grad_finite,
+                          skip_trace=jax.tree.map(_trace_of, updates, is_leaf=is_scaled_grad))
         return new_updates, AdaLossState(
             count=optax.safe_increment(state.count),
             skipped=state.skipped + skipped,
@@ -205,6 +259,7 @@ def adaloss(config: AdaLossConfig | None = None,
             last_finite=finite,
             scales=scales,
             backoff=backoff, backoff_good=good, lift=lift,
+            last_skip=optax.tree.where(ok, state.last_skip, seen),
             inner_state=inner_state,
         )
 

@@ -1,7 +1,9 @@
 """AdaLossScaler's GradScaler/Apex-style interface: loop, order errors, skipping,
 checkpointing, telemetry, host synchronisation."""
 
+import copy
 import gc
+import pickle
 import subprocess
 import sys
 import warnings
@@ -573,21 +575,84 @@ def test_parameters_outside_the_model_are_weights_too():
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
-def test_autograd_grad_on_a_scaled_loss_is_refused_with_the_remedy():
+def test_autograd_grad_and_create_graph_get_one_global_scale_and_say_so():
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = AdaLossScaler(model, AdaLossConfig(init_scale=4.0))
+    x, y = _batch()
+    params = list(model.parameters())
+    truth = torch.autograd.grad(_loss(model, x, y, 1.0), params)
+    with pytest.warns(UserWarning, match="one global scale"):
+        got = torch.autograd.grad(scaler.scale(_loss(model, x, y, 1.0)), params, create_graph=True)
+    assert scaler.get_scale() == 4.0 and all(p.grad is None for p in params)
+    for g, t in zip(got, truth):  # GradScaler's recipe: divide by get_scale()
+        torch.testing.assert_close(g / scaler.get_scale(), t, rtol=1e-3, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*one global scale")  # said once per scaler
+        got = torch.autograd.grad(scaler.scale(_loss(model, x, y, 1.0)), params)
+        scaler.scale(_loss(model, x, y, 1.0)).backward(create_graph=True)
+    assert {float(s) for s in scaler.grad_scales().values()} == {4.0}
+    opt = torch.optim.SGD(params, 0.0)
+    scaler.unscale_(opt)
+    for p, t in zip(params, truth):
+        torch.testing.assert_close(p.grad, t, rtol=1e-3, atol=1e-5)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(_loss(model, x, y, 1.0)).backward()  # and the next backward has per-layer scales again
+    assert len({float(s) for s in scaler.grad_scales().values()}) > 1
+
+
+def test_pickle_and_deepcopy_between_backward_and_step_go_on_with_the_live_model():
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.Adam(model.parameters(), 1e-2), torch.optim.Adam(twin.parameters(), 1e-2)
+    scaler, twin_scaler = AdaLossScaler(model), AdaLossScaler(twin)
+    _train(model, scaler, opt, 2)
+    _train(twin, twin_scaler, twin_opt, 2)
+    x, y = _batch(5)
+    for m, o, s in ((model, opt, scaler), (twin, twin_opt, twin_scaler)):
+        o.zero_grad()
+        s.scale(_loss(m, x, y)).backward()
+    for fresh in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert fresh.grad_scales() == {} and fresh._model is model  # the live model, no copy
+    scaler = copy.deepcopy(pickle.loads(pickle.dumps(scaler)))  # mid-iteration: pending scales kept
+    scaler.step(opt)
+    scaler.update()
+    twin_scaler.step(twin_opt)
+    twin_scaler.update()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    _train(model, scaler, opt, 2)
+    _train(twin, twin_scaler, twin_opt, 2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    assert scaler.state_dict()["lift"] == twin_scaler.state_dict()["lift"]
+    both = copy.deepcopy((model, scaler))  # copied together: the copy goes with the model's copy
+    assert both[1]._model is both[0]
+
+
+def test_a_scaler_without_its_model_says_so():
+    with pytest.raises(ValueError, match="has no parameters"):
+        AdaLossScaler(torch.nn.ReLU())
     torch.manual_seed(0)
     model = MLP()
     scaler = AdaLossScaler(model)
-    x, y = _batch()
-    params = list(model.parameters())
-    # the AMP docs' gradient penalty, and the plain form that would return scaled gradients
-    for kwargs in ({"create_graph": True}, {}):
-        with pytest.raises(RuntimeError, match="does not support .*create_graph|autograd.grad on a scaled"):
-            torch.autograd.grad(scaler.scale(_loss(model, x, y)), params, **kwargs)
-    with pytest.raises(RuntimeError, match="create_graph=True"):
-        scaler.scale(_loss(model, x, y)).backward(create_graph=True)
-    assert all(p.grad is None for p in params)
-    _train(model, scaler, torch.optim.SGD(params, 0.1), 1)  # the scaler still works afterwards
-    assert scaler.skipped_steps == 0 and all(p.grad is not None for p in params)
+    blob = pickle.dumps(scaler)
+    state = scaler.state_dict()
+    del scaler, model
+    gc.collect()
+    orphan = pickle.loads(blob)  # as in another process: its model is not here
+    assert orphan.state_dict()["parameters"] == state["parameters"]
+    other = MLP()
+    with pytest.raises(RuntimeError, match="load_state_dict"):
+        orphan.scale(_loss(other, *_batch()))
+    fresh = AdaLossScaler(other)
+    fresh.load_state_dict(orphan.state_dict())
+    stranger = AdaLossScaler(MLP())  # built on another module than the loss's
+    with pytest.warns(UserWarning, match="none of them a parameter of the scaler's model"):
+        stranger.scale(_loss(other, *_batch())).backward()
 
 
 def test_get_scale_falls_after_a_skipped_step_as_gradscalers_does():

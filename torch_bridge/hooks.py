@@ -117,6 +117,9 @@ class BackwardRecord:
     # per weight: adaloss.solver.underflow_ratio of its layer decisions (fp32 0-d tensors;
     # empty without config.underflow_feedback), for the scaler's lift
     underflow: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    loss: torch.Tensor | None = None  # the scaled output (detached): was it finite?
+    # why this backward had one global scale (hooks.global_backward), or None: per-layer scales
+    global_reason: str | None = None
 
     def reports(self) -> dict[str, LayerReport]:
         return {n: d.to_torch(self.math).report(self.config) for n, d in self.decisions.items()}
@@ -339,20 +342,6 @@ def _hidden_hook(me: weakref.ref[ScaledBackward], k: int, grad: torch.Tensor) ->
     return None if sb is None else sb.hidden_grad(k, grad)
 
 
-_AUTOGRAD_GRAD = (
-    "AdaLossScaler does not support torch.autograd.grad on a scaled loss: each parameter's gradient "
-    "carries its own per-layer scale, and autograd.grad would return the scaled values with no way "
-    "to unscale them (there is no single get_scale() to divide by). Call "
-    "scaler.scale(loss).backward() and read each parameter's .grad (scaler.unscale_(optimizer) "
-    "divides each by its own scale). For a gradient penalty, take its gradients of the unscaled "
-    "loss, torch.autograd.grad(loss, params, create_graph=True), outside the scaler.")
-_CREATE_GRAPH = (
-    "AdaLossScaler does not support create_graph=True (a double backward, e.g. a gradient "
-    "penalty): the per-layer scales are decided from the gradients as they flow and are not "
-    "differentiable. Run the scaled backward without create_graph; take a penalty's gradients of "
-    "the unscaled loss, torch.autograd.grad(loss, params, create_graph=True), outside the scaler.")
-
-
 COMPILED_AUTOGRAD = (
     "AdaLossScaler does not support compiled autograd (torch._dynamo.config.compiled_autograd, "
     "torch._dynamo.compiled_autograd._enable): it captures the backward's hooks before running "
@@ -370,24 +359,26 @@ def compiled_autograd() -> bool:
     return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
 
 
-def _refuse_unsupported_backward(plan: ScalePlan) -> None:
-    """Raise, with the remedy, when the scaled loss's backward is ``torch.autograd.grad`` (which
-    returns the gradients instead of accumulating them where the scaler unscales them), runs
-    with ``create_graph=True`` (autograd records the backward, scale decisions included) or is
-    captured by compiled autograd."""
+def global_backward(plan: ScalePlan) -> str | None:
+    """Why the scaled loss's backward cannot carry per-layer scales, or ``None``: it runs with
+    ``create_graph=True`` (autograd records the backward, whose decisions are not
+    differentiable), or it is ``torch.autograd.grad`` (it returns the gradients, and a caller of
+    GradScaler's recipes divides them all by ``get_scale()``). Such a backward gets one global
+    scale. Raises for compiled autograd, which captures the hooks before running them."""
     if compiled_autograd():
         raise RuntimeError(COMPILED_AUTOGRAD)
     if torch.is_grad_enabled():  # the engine enables grad mode for create_graph=True only
-        raise RuntimeError(_CREATE_GRAPH)
+        return "create_graph"
     leaf = next((node for p, node in zip(plan.order, plan.nodes) if p.leaf), None)
     if leaf is None:
-        return
+        return None
     try:  # autograd.grad captures the inputs' gradients: the engine refuses to say about a leaf
         torch._C._will_engine_execute_node(leaf)
     except RuntimeError as e:
         if "autograd.grad" not in str(e):
             raise
-        raise RuntimeError(_AUTOGRAD_GRAD) from None
+        return "autograd.grad"
+    return None
 
 
 def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
@@ -427,8 +418,10 @@ class ScaledBackward:
                  region_scale: Callable[[str, torch.device], torch.Tensor] | None = None,
                  backoff: torch.Tensor | None = None,
                  lift: dict[str, torch.Tensor] | None = None, every_leaf: bool = False,
-                 fused: FusedMath | None = None) -> None:
+                 fused: FusedMath | None = None, loss: torch.Tensor | None = None) -> None:
         self.plan, self.config = plan, config
+        self.loss = loss  # the output being scaled, detached (the record says if it was finite)
+        self.global_reason: str | None = None  # set as the pass begins (global_backward)
         self.fused = fused  # decisions on device tensors: one compiled kernel each
         self.every_leaf = every_leaf  # call on_leaf for every parameter, not only where .grad exists
         self.backoff = backoff  # 2^-h from the scaler's back-off state (fp32 0-d), or None
@@ -528,7 +521,8 @@ class ScaledBackward:
         return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
                               dict(self.leaf_scales), dict(self.captured),
                               {k: conv(v) for k, v in self.captured_scales.items()},
-                              model_scales, spreads, self.sm, self._underflow_signals())
+                              model_scales, spreads, self.sm, self._underflow_signals(), self.loss,
+                              self.global_reason)
 
     def _underflow_signals(self) -> dict[str, torch.Tensor]:
         """Per weight, :func:`adaloss.solver.underflow_ratio` of its decisions (fp32 0-d tensors)."""
@@ -548,6 +542,8 @@ class ScaledBackward:
         elif not self.active:
             return None  # a backward of another graph through a shared node
         p = self.plan.order[i]
+        if self.global_reason is not None:  # one scale everywhere: nothing to decide or merge
+            return self._global(i, p, go)
         self._merge_outputs(p, go)
         if p.kind not in NO_DECISION and self.capture and go[0] is not None:
             self.captured[p.name] = go[0]
@@ -571,8 +567,17 @@ class ScaledBackward:
             self.leaf_scales[id(param)] = (param, carried)
         return tuple(go)
 
+    def _global(self, i: int, p: NodePlan, go: list[Any]) -> tuple[Any, ...]:
+        """A node of a backward with one global scale (:func:`global_backward`): a parameter that
+        already has a ``.grad`` brings both to one scale; everything else passes."""
+        if p.leaf and go[0] is not None:
+            param = self.plan.params[i]
+            go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.values[0]), None)
+            self.leaf_scales[id(param)] = (param, carried)
+        return tuple(go)
+
     def post(self, i: int, grad_inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not self.active:
+        if not self.active or self.global_reason is not None:  # (autograd sums the branches)
             return None
         p = self.plan.order[i]
         if p.kind == "region" and self.regions:
@@ -590,7 +595,7 @@ class ScaledBackward:
         return tuple(gi)
 
     def _begin(self, go: list[Any]) -> None:
-        _refuse_unsupported_backward(self.plan)
+        self.global_reason = global_backward(self.plan)
         self._reset()
         self._hook_leaves()
         self.active = True
@@ -599,8 +604,10 @@ class ScaledBackward:
         self._fuse = self.fused is not None and self.sm is ON_TENSORS and not self.config.fp8
         self.bo = None if self.backoff is None else self.sm.to_xp(self.backoff.to(g.device))
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
+        if self.global_reason is not None and self.backoff is not None:  # the scaler's get_scale()
+            init = init * self.backoff.to(g.device)
         self.values[0] = self.sm.to_xp(init)
-        if self.config.init_scale != 1.0:
+        if self.config.init_scale != 1.0 or self.global_reason is not None:
             go[0] = rescale(g, init)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
@@ -610,8 +617,11 @@ class ScaledBackward:
         self._unhook_hidden()
         for i, p in enumerate(self.plan.order):
             param = self.plan.params[i]
-            if p.leaf and id(param) not in self.leaf_scales and self.values[p.sym] is not None:
-                self.leaf_scales[id(param)] = (param, self._leaf_scale(self.values[p.sym]))
+            if self.global_reason == "autograd.grad":
+                break  # the gradients were returned, no .grad written
+            value = self.values[0] if self.global_reason is not None else self.values[p.sym]
+            if p.leaf and id(param) not in self.leaf_scales and value is not None:
+                self.leaf_scales[id(param)] = (param, self._leaf_scale(value))
         self.on_done(self.record())
 
     def _leaf_scale(self, value: Any) -> torch.Tensor:

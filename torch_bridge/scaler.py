@@ -25,8 +25,12 @@ only host synchronisation) and skips the optimizer step when it is set.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
+import sys
+import uuid
+import warnings
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -34,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from adaloss import solver
+from adaloss import skips, solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
 from torch_bridge import decisions
@@ -128,14 +132,33 @@ class AdaLossScaler:
         ``None`` (default): on when ``torch.distributed`` is initialized with more than one
         rank, and always for a ``fully_shard`` (FSDP2) model (:mod:`torch_bridge.sharded`).
         Exact for power-of-two scales (the default), as unscaling after the backward.
+      warn_after_skips: after this many skipped steps in a row (iterations whose gradients held
+        an inf or NaN), warn once per such run with the cause (:mod:`adaloss.skips`:
+        a non-finite loss, or the first layer whose backward made the inf/NaN, by name), read
+        from the device only on skipped steps; ``None``: never warn (:attr:`last_skip` and
+        :attr:`skip_causes` still count them).
+
+    Pickling and ``copy.deepcopy`` work at any point of training, as for ``GradScaler``: the
+    copy refers to the same model (it does not carry one), with the state and counters as they
+    were, including the scales of gradients not yet unscaled.
     """
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
                  enabled: bool = True, capture: bool = False, host_math: bool = True,
                  unscale_in_backward: bool | None = None,
-                 fuse_decisions: bool | str | FusedMath = False) -> None:
+                 fuse_decisions: bool | str | FusedMath = False,
+                 warn_after_skips: int | None = skips.WARN_AFTER) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
+        if next(model.parameters(), None) is None:
+            raise ValueError(
+                f"AdaLossScaler: the module {type(model).__name__} has no parameters, so no layer of a "
+                "backward can be named or scaled. Pass the module whose parameters the optimizer trains "
+                "(several models: AdaLossScaler(torch.nn.ModuleList([model_a, model_b]))).")
+        if warn_after_skips is not None and (not isinstance(warn_after_skips, int)
+                                             or isinstance(warn_after_skips, bool) or warn_after_skips < 1):
+            raise ValueError(f"warn_after_skips must be an int >= 1 or None, got {warn_after_skips!r}")
+        self.warn_after_skips = warn_after_skips
         refuse_fsdp1(model)
         #: FSDP2: gradients are unscaled as autograd delivers them, the inf/NaN check all-reduced
         self._sharded = bool(fsdp2_modules(model))
@@ -154,7 +177,9 @@ class AdaLossScaler:
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
         _check_float8_layers(model, config)
-        self._model = model
+        self._model: torch.nn.Module | None = model
+        self._token = _register(model)
+        self._model_names: list[str] = []  # the model's parameter names, kept while unbound
         self._config = config
         self._enabled = bool(enabled)
         self.capture = bool(capture)
@@ -186,6 +211,16 @@ class AdaLossScaler:
         # ratio the backwards since the last update() reported
         self._lift: dict[str, torch.Tensor] = {}
         self._ratio: dict[str, torch.Tensor] = {}
+        # skipped steps: the backwards of this iteration (their losses and decisions say why),
+        # whether a step() of it skipped, skipped iterations in a row and in all, the latest
+        # diagnosis and a count per cause
+        self._records: list[BackwardRecord] = []
+        self._iteration_skipped = False
+        self._run = 0
+        self._skipped_iterations = 0
+        self._last_skip: skips.SkipDiagnosis | None = None
+        self._skip_causes: dict[str, int] = {}
+        self._warned_global = False
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -214,6 +249,22 @@ class AdaLossScaler:
         """``update()`` calls so far."""
         return self._iteration
 
+    @property
+    def consecutive_skipped(self) -> int:
+        """Iterations in a row, up to the last ``update()``, whose step was skipped."""
+        return self._run
+
+    @property
+    def last_skip(self) -> skips.SkipDiagnosis | None:
+        """Why the latest skipped iteration was skipped (:func:`adaloss.skips.diagnose`: a
+        non-finite loss, the first layer whose backward made an inf/NaN, ...), or ``None``."""
+        return self._last_skip
+
+    @property
+    def skip_causes(self) -> dict[str, int]:
+        """Skipped iterations per cause (:class:`adaloss.skips.SkipCause` values)."""
+        return dict(self._skip_causes)
+
     # -- backward ---------------------------------------------------------------------
     @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def scale(self, outputs: Any) -> Any:
@@ -238,26 +289,30 @@ class AdaLossScaler:
         prepared = root.metadata.get("adaloss")
         if prepared is not None and prepared() is not None:
             return outputs  # already prepared
-        plan = ScalePlan(root, self._names(), cast_rule=self._config.cast_rule,
+        model = self._bound()
+        names = self._names()
+        plan = ScalePlan(root, names, cast_rule=self._config.cast_rule,
                          cache=self._plans, fp8=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if self._sharded:
             self._hook_fp16_copies()
         if plan.fresh:
-            refuse_fsdp1(self._model)
+            refuse_fsdp1(model)
             _warn_coverage(plan)
+            _warn_foreign(plan, names, model)
         self._at_leaf = self._sharded or (_data_parallel() if self.unscale_in_backward is None
                                           else bool(self.unscale_in_backward))
         self._coverage = plan.coverage
         hidden: list[torch.Tensor] = []
         if plan.coverage.opaque_regions:
             planned = {id(p) for p in plan.params if p is not None}
-            hidden = [p for p in self._model.parameters() if id(p) not in planned]
+            hidden = [p for p in model.parameters() if id(p) not in planned]
         recompute = self._iteration % self._config.update_every == 0
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
-                            every_leaf=self._at_leaf, fused=self._fused, **self.levels(outputs.device))
+                            every_leaf=self._at_leaf, fused=self._fused, loss=outputs.detach(),
+                            **self.levels(outputs.device))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -284,6 +339,16 @@ class AdaLossScaler:
         route_unscaled(fp, param.grad, scale)
         self._routed.add(id(fp.sharded_param))
 
+    def _bound(self) -> torch.nn.Module:
+        """The model; raises, with the remedy, for a scaler unpickled where its model is not."""
+        if self._model is None:
+            raise RuntimeError(
+                "This AdaLossScaler was unpickled in a process where the model it was built on does not "
+                "exist: a scaler refers to its model, it does not carry a copy. Build one on the module "
+                "being trained and give it this one's state: new = AdaLossScaler(model, config); "
+                "new.load_state_dict(scaler.state_dict()).")
+        return self._model
+
     def _names(self) -> dict[int, str]:
         """``id(parameter) -> name``; under FSDP2 the unsharded copies the forward used too,
         named after their shards."""
@@ -302,7 +367,7 @@ class AdaLossScaler:
         applies (``device``: where the back-off state is created on first use; default: the
         model's)."""
         if device is None:
-            device = next(self._model.parameters()).device
+            device = next(self._bound().parameters()).device
         return {"backoff": solver.backoff_factor(self._backoff_state(device)[0], xp),
                 "lift": {k: solver.lift_factor(v, xp) for k, v in self._lift.items()}}
 
@@ -327,19 +392,47 @@ class AdaLossScaler:
         return int(self._backoff[0]) if self._backoff is not None else self._backoff_loaded[0]
 
     def get_scale(self) -> float:
-        """The back-off's global factor, ``config.init_scale · 2^-h`` (a Python float; reads the
-        device), or ``1.0`` when disabled.
+        """The global scale ``G = config.init_scale · 2^-h`` (a Python float; reads the device),
+        or ``1.0`` when disabled; every gradient not yet unscaled is brought to carry ``G``.
+
+        GradScaler's recipes treat the gradients as all scaled by ``get_scale()``: clipping
+        them before ``unscale_`` at ``max_norm * scaler.get_scale()``, or dividing the gradients
+        of ``torch.autograd.grad(scaler.scale(loss), params, create_graph=True)`` by it (that
+        backward has one global scale, ``G``). So that these stay exact, a call between a
+        backward and :meth:`unscale_` first multiplies each parameter's gradient by ``G`` over
+        the per-layer scale it carries (:meth:`grad_scales`; a power-of-two ratio, applied to
+        the fp32 ``.grad`` in one ``_foreach_mul_`` per scale); :meth:`unscale_` then divides
+        them by ``G``. Called at other times it changes nothing.
 
         Like ``torch.amp.GradScaler.get_scale()`` it falls after every skipped step and recovers
         after ``config.backoff_interval`` finite ones, so the common idiom for an LR scheduler,
         ``before = scaler.get_scale(); scaler.step(opt); scaler.update(); stepped =
         scaler.get_scale() >= before``, tells a skipped step (until ``h`` reaches its cap,
-        ``adaloss.solver.MAX_BACKOFF``; ``skipped_steps`` counts them all). It is *not* what the
-        gradients carry: each carries its own per-layer scale (:meth:`grad_scales`), so never
-        divide gradients by it; :meth:`unscale_` unscales them."""
+        ``adaloss.solver.MAX_BACKOFF``; ``skipped_steps`` counts them all)."""
         if not self._enabled:
             return 1.0
-        return self._config.init_scale * 2.0 ** -self.backoff
+        scale = self._config.init_scale * 2.0 ** -self.backoff
+        self._carry(scale)
+        return scale
+
+    def _carry(self, scale: float) -> None:
+        """Bring the gradients the backwards since the last ``update()`` scaled, not unscaled
+        yet, to carry ``scale`` (nothing else: a gradient left from before is not touched)."""
+        groups: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for p, old in self._pending.values():
+            if p.grad is None or id(p) in self._f16:  # (an FSDP2 copy's: routed unscaled)
+                continue
+            grad = _values(local_grad(p.grad))
+            groups.setdefault((id(old), grad.device), (old, []))[1].append(grad)
+        targets: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for (_, dev), (old, grads) in groups.items():
+                if dev not in targets:
+                    targets[dev] = torch.full((), scale, dtype=_F32, device=dev)
+                torch._foreach_mul_(grads, targets[dev] / old.to(dev))
+        for key, (p, _) in list(self._pending.items()):
+            if p.grad is not None and id(p) not in self._f16:
+                self._pending[key] = (p, targets[_values(local_grad(p.grad)).device])
 
     @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -358,6 +451,7 @@ class AdaLossScaler:
             return
         self.unscale_(optimizer)
         self._last_skipped = self._found_inf(optimizer)
+        self._iteration_skipped |= self._last_skipped
         if self._last_skipped:
             self._skipped += 1
             _skip_next_step(optimizer)
@@ -374,22 +468,30 @@ class AdaLossScaler:
                     raise ValueError(_FP16_GRADS)
                 self._route_scales[id(param)] = scale  # unscaled in fp32 once accumulated
                 return grad, scale
-            one = self._ones.get(grad.device)
-            if one is None:
-                one = self._ones[grad.device] = torch.ones((), dtype=_F32, device=grad.device)
-            return rescale(grad, scale.reciprocal()), one
+            return _times(grad, scale.reciprocal()), self._one(grad.device)
         if param.grad is None:
             return grad, scale
         if old is None:
             old = self._pending.get(id(param), (param, None))[1]
         old = torch.ones((), dtype=_F32, device=grad.device) if old is None else old
-        absmax = [param.grad.abs().amax().to(_F32), grad.abs().amax().to(_F32)]
-        target = solver.merge_scale([old, scale], absmax, u_max(self._config, grad.dtype), xp)
-        with torch.no_grad():
-            param.grad.copy_(rescale(param.grad, target / old))
-        return rescale(grad, target / scale), target
+        with torch.no_grad():  # (a create_graph backward records only the products below)
+            absmax = [_values(param.grad).abs().amax().to(_F32), _values(grad).abs().amax().to(_F32)]
+            target = solver.merge_scale([old, scale], absmax, u_max(self._config, grad.dtype), xp)
+            param.grad.mul_(target / old)
+        return _times(grad, target / scale), target
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        """A 0-d fp32 one on ``device``, made once."""
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), dtype=_F32, device=device)
+        return one
 
     def _on_done(self, record: BackwardRecord) -> None:
+        if record.global_reason is not None and not self._warned_global:
+            self._warned_global = True
+            warnings.warn(_GLOBAL_BACKWARD.format(how=record.global_reason), stacklevel=2)
+        self._records.append(record)
         self._last = record
         self._pending.update(record.leaf_scales)
         self._model_scales.update(record.model_scales)
@@ -424,11 +526,10 @@ class AdaLossScaler:
                             "Use param_dtype=None with torch.autocast(dtype=torch.float16).")
                     continue
                 grad = local_grad(p.grad)
-                if grad.is_sparse:
-                    raise NotImplementedError("AdaLossScaler does not support sparse gradients "
-                                              "(use nn.Embedding(sparse=False))")
                 if grad.dtype == torch.float16:
                     raise ValueError(_FP16_GRADS)
+                if grad.is_sparse:  # (as GradScaler: the values; a duplicate index is a sum)
+                    grad = grad._values()
                 dev = grad.device
                 entry = self._pending.pop(id(p), None)
                 if entry is None:
@@ -475,6 +576,7 @@ class AdaLossScaler:
             state["stage"] = _Stage.READY
         retval = None
         self._last_skipped = self._found_inf(optimizer)
+        self._iteration_skipped |= self._last_skipped
         if self._last_skipped:
             self._skipped += 1
         else:
@@ -511,9 +613,46 @@ class AdaLossScaler:
                 if old is not None:
                     old.copy_(value)
         self._ratio = {}
+        self._count_skip()
         self._per_optimizer.clear()
         self._pending.clear()
         self._routed.clear()
+        self._records = []
+
+    def _count_skip(self) -> None:
+        """After an iteration: count a skipped one (``step`` read its flag already), say why
+        (:func:`adaloss.skips.diagnose`, reading the device only now), and warn once per run of
+        ``warn_after_skips`` in a row."""
+        skipped, self._iteration_skipped = self._iteration_skipped, False
+        if not skipped:
+            self._run = 0
+            return
+        self._run += 1
+        self._skipped_iterations += 1
+        diagnosis = self._diagnose()
+        self._last_skip = diagnosis
+        self._skip_causes[diagnosis.cause.value] = self._skip_causes.get(diagnosis.cause.value, 0) + 1
+        if self._run == self.warn_after_skips:
+            warnings.warn(skips.warning_text(diagnosis, self._run, self._skipped_iterations, self._iteration),
+                          skips.SkippedStepsWarning, stacklevel=_user_stacklevel())
+
+    def _diagnose(self) -> skips.SkipDiagnosis:
+        """:func:`adaloss.skips.diagnose` from this iteration's backwards (their losses, each
+        decision's ``max|g|``, in the order the backward reached them) and the gradients."""
+        records = self._records or ([self._last] if self._last is not None else [])
+        loss_finite = all(r.loss is None or bool(torch.isfinite(r.loss).all()) for r in records)
+        checks: list[list[skips.LayerCheck]] = []
+        for r in records:
+            decided = [(name, d.to_torch(r.math)) for name, d in r.decisions.items()]
+            checks.append([skips.LayerCheck(name, None if d.kind == "cast" else weight_of(name),
+                                            bool(torch.isfinite(d.absmax).all()))
+                           for name, d in reversed(decided)])  # (recorded in forward order)
+        layers = next((c for c in checks if not all(k.finite for k in c)), checks[-1] if checks else [])
+        model = self._model
+        grads = {} if model is None else {
+            name: bool(torch.isfinite(_values(local_grad(p.grad))).all())
+            for name, p in model.named_parameters() if p.grad is not None}
+        return skips.diagnose(loss_finite, layers, grads)
 
     # -- telemetry ----------------------------------------------------------------------
     def grad_scales(self) -> dict[str, torch.Tensor]:
@@ -540,6 +679,54 @@ class AdaLossScaler:
             return {}
         return {k: (v, self._last.captured_scales[k]) for k, v in self._last.captured.items()}
 
+    # -- pickling and copies ------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The scaler's state without its model (a copy refers to the same one), the graphs, hooks
+        and compiled calls of its backwards; the scales of gradients not yet unscaled by
+        parameter name."""
+        state = self.__dict__.copy()
+        names = self._names() if self._model is not None else {}
+        state.update(
+            _model=None, _model_names=self._parameter_names(),
+            _pending={names[k]: scale for k, (_, scale) in self._pending.items() if k in names},
+            _last=None, _records=[], _plans=OrderedDict(), _ones={}, _f16={}, _route_scales={},
+            _route_hooks={}, _routed=set(),
+            _fused=None if self._fused is None else (self._fused.backend, self._fused.max_shapes))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        pending, fused = state.pop("_pending"), state.pop("_fused")
+        self.__dict__.update(state)
+        self._fused = None if fused is None else FusedMath(*fused)
+        self._attach(_MODELS.get(self._token), pending)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AdaLossScaler:
+        """A copy on the same model, or on its copy where the same ``deepcopy`` copied it."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = self.__getstate__()
+        pending, fused = state.pop("_pending"), state.pop("_fused")
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new._fused = None if fused is None else FusedMath(*fused)
+        model = memo.get(id(self._model), self._model)
+        if model is not self._model:
+            new._token = _register(model)
+        new._attach(model, {k: copy.deepcopy(v, memo) for k, v in pending.items()})
+        return new
+
+    def _attach(self, model: torch.nn.Module | None, pending: dict[str, torch.Tensor]) -> None:
+        """Refer to ``model`` (``None``: not in this process; :meth:`scale` raises) with the scales
+        its gradients carry (by name); the per-optimizer stages hold only in the process of the
+        optimizers (keyed by object)."""
+        self._model = model
+        self._pending = {}
+        if model is None:
+            self._per_optimizer = defaultdict(_fresh_state)
+            return
+        params = dict(model.named_parameters())
+        self._pending = {id(params[n]): (params[n], s) for n, s in pending.items() if n in params}
+
     # -- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Config, counters and the cached statistical scales (``update_every``); ``{}`` if disabled."""
@@ -551,10 +738,14 @@ class AdaLossScaler:
                 "region_scales": self._regions.state_dict(),
                 "backoff": (self.backoff, int(self._backoff[1]) if self._backoff is not None
                             else self._backoff_loaded[1]),
-                "lift": {k: int(v) for k, v in self._lift.items()}}
+                "lift": {k: int(v) for k, v in self._lift.items()},
+                "skips": {"in_a_row": self._run, "iterations": self._skipped_iterations,
+                          "causes": dict(self._skip_causes)}}
 
     def _parameter_names(self) -> list[str]:
         """The names layers can be named after: the model's parameters, in its order."""
+        if self._model is None:
+            return list(self._model_names)
         return list(parameter_names(self._model).values())
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> IncompatibleLayers:
@@ -590,6 +781,10 @@ class AdaLossScaler:
         keep = lambda k: _weight_key(k) not in dropped  # noqa: E731  (structural keys: None)
         self._iteration = int(state_dict["iteration"])
         self._skipped = int(state_dict["skipped_steps"])
+        counted = state_dict.get("skips", {})  # absent from states saved before it existed
+        self._run = int(counted.get("in_a_row", 0))
+        self._skipped_iterations = int(counted.get("iterations", self._skipped))
+        self._skip_causes = {str(k): int(v) for k, v in counted.get("causes", {}).items()}
         self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items() if keep(k)}
         self._regions.load_state_dict(state_dict.get("region_scales", {}))
         self._backoff_loaded = tuple(int(v) for v in state_dict.get("backoff", (0, 0)))  # type: ignore[assignment]
@@ -658,6 +853,55 @@ _FP16_GRADS = ("Attempting to unscale FP16 gradients. Each gradient carries its 
                "accumulated bound), and dividing it in fp16 would flush its small entries to zero. Keep "
                "fp32 parameters and run the forward under torch.autocast(dtype=torch.float16) instead "
                "of model.half().")
+
+
+_GLOBAL_BACKWARD = (
+    "AdaLossScaler: a scaled backward ran as {how} (a gradient penalty's recipe), which cannot carry "
+    "per-layer scales (autograd would record the decisions, which are not differentiable): it uses "
+    "one global scale, scaler.get_scale(), which its gradients carry (as with GradScaler, divide them "
+    "by it). The other backwards keep per-layer scales. (Said once per scaler.)")
+
+#: token -> model, for the copies of a scaler (pickled or deep-copied) to find the model it was
+#: built on in this process (a scaler refers to its model, it does not carry a copy)
+_MODELS: weakref.WeakValueDictionary[str, torch.nn.Module] = weakref.WeakValueDictionary()
+
+
+def _register(model: torch.nn.Module) -> str:
+    token = uuid.uuid4().hex
+    _MODELS[token] = model
+    return token
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient's values (coalesced: a duplicate index is a sum), a dense one itself."""
+    return t.coalesce()._values() if t.is_sparse else t
+
+
+def _times(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t · factor`` (:func:`torch_bridge.hooks.rescale`; a sparse ``t`` stays sparse)."""
+    return t * factor if t.is_sparse else rescale(t, factor)
+
+
+def _warn_foreign(plan: ScalePlan, names: dict[int, str], model: torch.nn.Module) -> None:
+    """Say so when a backward reaches parameters but none of the scaler's model's."""
+    reached = [p for p in plan.params if isinstance(p, torch.nn.Parameter)]  # (not a data input)
+    if reached and not any(id(p) in names for p in reached):
+        warnings.warn(
+            f"AdaLossScaler: this backward reaches {len(reached)} parameter(s), none of them a parameter "
+            f"of the scaler's model ({type(model).__name__}): its layers are scaled and unscaled, but "
+            "named after shapes, so state_dict(), the per-layer feedback and grad_scales() cannot follow "
+            "them. Build the scaler on the module the loss is computed from (several: "
+            "AdaLossScaler(torch.nn.ModuleList([...]))).", stacklevel=4)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside torch_bridge and
+    torch (the training loop, past ``update()`` and dynamo's wrappers), for its caller."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+            "torch_bridge", "torch", "contextlib", "accelerate", "lightning"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _data_parallel() -> bool:

@@ -1,0 +1,116 @@
+"""Saying why steps are skipped, outside the jitted step.
+
+:func:`jax_adaloss.adaloss` skips an update whose gradients hold an inf or NaN, counts it
+(``skipped``, ``consecutive_skipped``) and keeps a :class:`~jax_adaloss.transform.SkipRecord` of
+the latest one in its state, all on device: the step has no conditional and no callback, whose
+predicate or data XLA:GPU would read on the host every step. The host reads them here:
+
+- :func:`skip_diagnosis` (reads the device): why the latest skipped update was skipped
+  (:func:`adaloss.skips.diagnose`: a non-finite loss, the first layer whose backward made an
+  inf/NaN, a weight gradient that overflowed, by name).
+- :class:`SkipMonitor`, called with the optimizer state after each step: it warns once per run
+  of ``after`` skipped updates in a row (:class:`adaloss.skips.SkippedStepsWarning`), with the
+  diagnosis. It never waits for the device: each call dispatches one tiny copy of three counters
+  and starts their transfer to the host, and reads the copies of earlier steps once they are
+  there (so a warning comes a step or two late); the state itself is read only to warn.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from adaloss.skips import WARN_AFTER, LayerCheck, SkipDiagnosis, SkippedStepsWarning, diagnose, warning_text
+from jax_adaloss.api import _leaf_name
+from jax_adaloss.scaled_grad import NO_LAYER, decode_trace
+
+
+def _field(opt_state: Any, name: str, owner: str) -> Any:
+    """``owner.name`` inside ``opt_state`` (an optax state, a flax ``TrainState``'s, an nnx
+    ``Optimizer.opt_state``)."""
+    got = optax.tree.get(opt_state, name,
+                         filtering=lambda path, _: getattr(path[-1], "tuple_name", None) == owner)
+    if got is None:
+        raise TypeError("expected a pytree holding one jax_adaloss.adaloss() state (e.g. the optimizer "
+                        f"state), got {type(opt_state).__name__}")
+    return got
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(getattr(x, "value", x))  # (an nnx Variable holds its array)
+
+
+def skip_diagnosis(opt_state: Any) -> SkipDiagnosis | None:
+    """Why the latest skipped update of the :func:`jax_adaloss.adaloss` state in ``opt_state``
+    was skipped (``None``: none was). Reads the device."""
+    record = _field(opt_state, "last_skip", "AdaLossState")
+    if int(_host(record.skip_step)) < 0:
+        return None
+    traced = jax.tree_util.tree_flatten_with_path(record.skip_trace)[0]
+    names = [_leaf_name(0, path, False) for path, _ in traced]
+    parts = [decode_trace(_host(code)) for _, code in traced]
+    finite = [bool(_host(f)) for f in jax.tree.leaves(record.skip_grad_finite)]
+    layers = sorted((position, name, ok) for name, (position, ok, _) in zip(names, parts)
+                    if position < NO_LAYER)
+    return diagnose(all(loss_ok for _, _, loss_ok in parts),
+                    [LayerCheck(name, name, ok) for _, name, ok in layers],
+                    dict(zip(names, finite)), bool(_host(record.skip_mixed_scales)))
+
+
+@jax.jit
+def _counters(count: jax.Array, skipped: jax.Array, in_a_row: jax.Array) -> jax.Array:
+    return jnp.stack([count, skipped, in_a_row]).astype(jnp.int32)
+
+
+class SkipMonitor:
+    """Warns once per run of ``after`` skipped updates in a row, with the cause
+    (:func:`skip_diagnosis`), without waiting for the device.
+
+    Call it with the optimizer state after each step (any pytree holding the
+    :func:`jax_adaloss.adaloss` state: ``opt_state``, ``state.opt_state``,
+    ``optimizer.opt_state``); at the end of training, :meth:`flush` reads what is still in
+    flight. ``after=None`` never warns.
+
+    >>> monitor = jax_adaloss.SkipMonitor()                        # doctest: +SKIP
+    >>> for batch in data:                                          # doctest: +SKIP
+    ...     params, opt_state, loss = step(params, opt_state, batch)
+    ...     monitor(opt_state)
+    """
+
+    def __init__(self, after: int | None = WARN_AFTER) -> None:
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 1):
+            raise ValueError(f"after must be an int >= 1 or None, got {after!r}")
+        self.after = after
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._warned_run: int | None = None  # the update count at which the run warned about began
+
+    def __call__(self, opt_state: Any) -> None:
+        """Note this step's counters (a copy, transferred in the background) and warn for the
+        earlier steps whose counters have arrived."""
+        if self.after is None:
+            return
+        counts = _counters(*(_field(opt_state, f, "AdaLossState")
+                             for f in ("count", "skipped", "consecutive_skipped")))
+        counts.copy_to_host_async()
+        self._in_flight.append(counts)
+        self._drain(opt_state, wait=False)
+
+    def flush(self, opt_state: Any) -> None:
+        """Wait for every noted step's counters and warn where due."""
+        self._drain(opt_state, wait=True)
+
+    def _drain(self, opt_state: Any, wait: bool) -> None:
+        while self._in_flight and (wait or self._in_flight[0].is_ready()):
+            count, skipped, in_a_row = (int(v) for v in np.asarray(self._in_flight.popleft()))
+            started = count - in_a_row
+            if in_a_row >= self.after and started != self._warned_run:
+                self._warned_run = started
+                diagnosis = skip_diagnosis(opt_state)
+                warnings.warn(warning_text(diagnosis, in_a_row, skipped, count), SkippedStepsWarning,
+                              stacklevel=3)
