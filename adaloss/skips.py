@@ -20,7 +20,7 @@ inside one op (an activation whose 16-bit intermediate overflows) may too. After
 5. ``mixed_scales`` (JAX): scaled gradients were combined as if their scales were values.
 6. ``unknown``: nothing the backward read was non-finite: the gradients were changed after
    it (an inf written in, a hook), or the inf/NaN arose where the fronts see no layer
-   (inside a ``torch.compile``d region or a scanned body).
+   (inside a region compiled by ``torch.compile``, or a scanned body).
 
 The fronts collect the facts (the loss, each decision's ``max|g|``, each gradient) on the host
 only for skipped steps; the diagnosis and the message are written here once.
@@ -111,7 +111,8 @@ class SkipDiagnosis:
                     "jax.tree.map(jnp.add, ...)): reduce them with jax_adaloss.pmean / psum / tree_add")
         return ("no value the backward's decisions read was inf or NaN: the gradients were made "
                 "non-finite after the backward (written in place, a hook, an optimizer wrapper), or "
-                "inside a region without layer decisions (a torch.compile'd module, a scanned body)")
+                "inside a region without layer decisions (a module compiled by torch.compile, a scanned "
+                "body)")
 
 
 def diagnose(loss_finite: bool, layers: Sequence[LayerCheck], grads: Mapping[str, bool],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,10 +14,17 @@ import optax
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from jax_adaloss import _nnx
+from jax_adaloss import _nnx, reductions
 from jax_adaloss.backward import _is_float, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
-from jax_adaloss.scaled_grad import NO_LAYER, ScaledGrad, encode_trace, mark_stateless, trace_parts
+from jax_adaloss.scaled_grad import (
+    NO_LAYER,
+    ScaledGrad,
+    encode_trace,
+    mark_stateless,
+    rescale,
+    trace_parts,
+)
 
 CACHE_KWARG = "adaloss_cache"
 STATE_KWARG = "adaloss_state"
@@ -192,6 +200,9 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
                 if ct is None:
                     grad_leaves[i] = ScaledGrad.of(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal,
                                                    trace=trace)
+                elif adaptive and _narrows_to_fp16(ct[0], leaf):
+                    value, scale = _fit_to_leaf(ct[0], ct[1], config, backoff_f)
+                    grad_leaves[i] = ScaledGrad.of(value, scale, signal, trace=trace)
                 else:
                     grad_leaves[i] = ScaledGrad.of(jnp.asarray(ct[0]).astype(leaf.dtype), ct[1], signal,
                                                    inverse=inverse, trace=trace)
@@ -308,6 +319,24 @@ def _check_output(out: Any) -> None:
     if not _is_float(out.dtype):
         raise TypeError(f"grad requires real-valued outputs (output dtype that is a sub-dtype "
                         f"of np.floating), but got {out.dtype}.")
+
+
+def _narrows_to_fp16(ct: Any, leaf: Any) -> bool:
+    """Whether a gradient computed wider (a weight's, in fp32) is stored in an fp16 leaf."""
+    return jnp.dtype(leaf.dtype) == jnp.float16 and jnp.dtype(jnp.result_type(ct)).itemsize > 2
+
+
+def _fit_to_leaf(ct: jax.Array, scale: jax.Array, config: AdaLossConfig, backoff: Any
+                 ) -> tuple[jax.Array, jax.Array]:
+    """An fp16 parameter's gradient, computed in fp32, narrowed into fp16 by a cast decision
+    (:func:`adaloss.solver.cast_scale`, fp16's limits): a weight gradient beyond 65504 (a sum over
+    a batch of large inputs) gets a scale below 1, one below fp16's range a larger one. Returns
+    the fp16 value and the scale it carries."""
+    if config.grad_format != "float16":
+        config = dataclasses.replace(config, grad_format="float16", u_min=None, u_max=None)
+    st = reductions.statistics(ct, logs=True)
+    d = solver.cast_scale(config, st.logs._replace(absmax=st.absmax), scale, jnp, backoff=backoff)
+    return rescale(ct, d.scale).astype(jnp.float16), scale * d.scale
 
 
 def _invariant_like(x: jax.Array, ref: jax.Array, trace: bool = False) -> jax.Array:

@@ -47,9 +47,9 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ from jax_adaloss import reductions
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
 from jax_adaloss.scaled_grad import rescale as _rescale
-from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, wide_vjp, widenable
+from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, is_narrow_float, wide_vjp, widenable
 
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -76,6 +76,19 @@ _KEEPS_VALUE = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", 
 #: elementwise math whose result on known scalars is known too (:meth:`_Tape._evaluate`)
 _SCALAR_MATH = ("sqrt", "rsqrt", "exp", "log", "neg", "abs", "mul", "div", "add", "sub", "integer_pow",
                 "pow", "max", "min", "square")
+#: elementwise math whose backward, on 16-bit values, is also computed in fp32 where the 16-bit one
+#: is not finite (:meth:`_Sweep._elementwise`)
+_ELEMENTWISE = frozenset((
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log", "log1p",
+    "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "integer_pow", "pow", "square",
+    "select_n", "clamp"))
+#: of those, the ones an activation function is made of (the rest, arithmetic and selects alone,
+#: stays 16-bit: a score mask or a ``q / √d`` has no intermediate to overflow)
+_NONLINEAR = frozenset((
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos",
+    "tan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "integer_pow",
+    "pow"))
 _F32 = jnp.float32
 
 
@@ -111,6 +124,8 @@ class _Node:
     eqn: Any = None  # (primitive, bind params, input values): to transpose it widened
     wide: tuple[int, ...] = ()  # positions in ``diff`` whose cotangent goes to a weight
     widenable: bool = False  # the equation can be re-bound on fp32 inputs
+    # elementwise math on 16-bit values (_ELEMENTWISE): its backward in fp32 too, where needed
+    elementwise: bool = False
     region: _ScanRegion | None = None  # kind "scan": what its backward re-runs
     axes: tuple[Any, ...] = ()  # a collective's named axes (its transpose moves cotangents across devices)
     # a mul/div by a scalar that may amplify a 16-bit cotangent: the bound |c| or 1/|c|
@@ -176,6 +191,7 @@ class _Tape:
         # slots holding a normalizer: rsqrt (or sqrt, a divisor) of data, as computed or moved,
         # cast, broadcast, or times weights (a norm's scale folded in)
         self.normalizers: set[int] = set()
+        self.elementwise: set[int] = set()  # slots computed by elementwise 16-bit math
 
     def slot(self, value: Any, origin: str | None, needs: bool) -> int:
         self.values.append(value)
@@ -293,6 +309,10 @@ class _Tape:
             self._classify(node, eqn, vals)
             node.factor = _amplification(prim.name, vals, [self.known.get(s) for s in ins], diff,
                                          node.wide, out_vals)
+            if (node.kind == "op" and node.widenable and not node.wide and not node.axes
+                    and _narrow_elementwise(prim.name, vals, out_vals)):
+                node.elementwise = True
+                self.elementwise.update(outs)
             self.nodes.append(node)
         if prim.name in _KEEPS_VALUE and len(ins) == 1 and len(outs) == 1 and np.size(out_vals[0]) == 1:
             c = vals[0] if not isinstance(vals[0], jax.core.Tracer) else self.known.get(ins[0])
@@ -495,6 +515,17 @@ def _body_slots(tape: _Tape, r: _ScanRegion, carry: Sequence[Any], x: Sequence[A
     return slots + tape.run(r.body.jaxpr, consts, slots)
 
 
+def _narrow_elementwise(prim: str, vals: list[Any], out_vals: list[Any]) -> bool:
+    """An elementwise equation (:data:`_ELEMENTWISE`) whose float operands and result are 16-bit
+    arrays of one shape (scalar operands aside)."""
+    if prim not in _ELEMENTWISE or len(out_vals) != 1:
+        return False
+    out = out_vals[0]
+    floats = [v for v in (*vals, out) if _is_float(jnp.result_type(v)) and np.ndim(v)]
+    return (is_narrow_float(dtype_of(out)) and all(is_narrow_float(dtype_of(v)) for v in floats)
+            and all(np.shape(v) == np.shape(out) for v in floats))
+
+
 def _amplification(prim: str, vals: list[Any], known: list[float | None], diff: tuple[int, ...],
                    wide: tuple[int, ...], out_vals: list[Any]) -> Any:
     """For ``x·c``, ``c·x`` or ``x/c`` with ``c`` a scalar and a 16-bit (or narrower) result: the
@@ -567,8 +598,32 @@ def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
     return math.prod(shape) // shape[rhs_spec[1]] // groups
 
 
+class _Wide(NamedTuple):
+    """A cotangent inside a chain of elementwise 16-bit math (:meth:`_Sweep._elementwise`): as
+    the 16-bit backward computes it, and the same in fp32."""
+
+    narrow: Any
+    wide: Any
+
+
+def _narrow_part(ct: Any) -> Any:
+    return ct.narrow if isinstance(ct, _Wide) else ct
+
+
 class _Sweep:
-    """Reverse sweep over a ``_Tape``: cotangents with the scales they carry."""
+    """Reverse sweep over a ``_Tape``: cotangents with the scales they carry.
+
+    Elementwise 16-bit math (an activation's ``x·Φ(x)``, GELU's ``x³`` and ``tanh``) is
+    differentiated one equation at a time, and its 16-bit intermediates can overflow where the
+    result would not: GELU's ``3x²`` beyond ``|x| ≈ 148`` makes ``0·inf = NaN`` at any loss scale,
+    ``g·x`` overflows for a large ``x`` while ``g·Φ'(x)·x`` is small. PyTorch computes such ops
+    in fp32 inside one kernel. Here each chain of elementwise equations whose values have no
+    other use, holding a nonlinear one (:func:`_chains`), is differentiated twice, in 16 bits
+    (as ``jax.grad``) and in fp32, and where the chain hands its cotangent on the 16-bit one is
+    kept wherever it is finite, the fp32 one (rounded) elsewhere: bitwise ``jax.grad``'s
+    arithmetic on finite values, PyTorch's where 16 bits overflow. On a GPU both run in the
+    chain's one fused kernel.
+    """
 
     def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
                  capture: bool = False, adaptive: bool = True, fp32: bool = False,
@@ -604,6 +659,13 @@ class _Sweep:
         step = cache.step if cache is not None else jnp.zeros((), jnp.int32)
         self.recompute = (step % config.update_every) == 0
         self.step = step
+        # chains of elementwise 16-bit math with a nonlinear op (_chains): their equations, and
+        # the slots inside them (computed by one of them and used by one: a fan-out merges its
+        # parts in 16 bits); none in measurements (adaptive=False)
+        self.dual: set[int] = set()  # id(node)
+        self.chained: set[int] = set()
+        if adaptive and not fp32:
+            self.dual, self.chained = _chains(tape)
 
     def _settle(self, x: Any) -> Any:
         """:func:`_settled`, the inverses of the scales recorded (:meth:`inverse_of`)."""
@@ -686,6 +748,7 @@ class _Sweep:
         """Sweep back from ``(slot, cotangent, scale)`` seeds; ``fitted[i]``: seed ``i``'s
         scale was fitted to the fp8 range by a decision (a scan's carry: the outer one's)."""
         for i, (slot, seed, seed_scale) in enumerate(seeds):
+            self.chained.discard(slot)  # (a seed is one more part)
             self.cts[slot].append((seed, seed_scale))
             self._fit(seed_scale, i < len(fitted) and fitted[i])
         self._sweep(self.tape.nodes)
@@ -723,7 +786,9 @@ class _Sweep:
                     out_cts, scale = self._amplified(out_cts, scale, node.factor)
                 if node.norm and self.config.fp8 and self.adaptive:
                     scale = self._unfitted(scale)
-                for pos, ct in zip(node.diff, self._transpose(node, out_cts)):
+                chain = id(node) in self.dual
+                cts = self._elementwise(node, out_cts) if chain else self._transpose(node, out_cts)
+                for pos, ct in zip(node.diff, cts):
                     self.cts[node.ins[pos]].append((ct, scale))
 
     def _agree(self, cts: list[Any], scale: Any, axes: tuple[Any, ...]) -> tuple[list[Any], Any]:
@@ -738,11 +803,26 @@ class _Sweep:
         """:func:`adaloss.solver.amplified_scale` before a scalar factor's transpose: the
         cotangent (and its scale) lowered by the power of two that keeps ``factor·s·g`` finite."""
         g = cts[0]
-        r = solver.amplified_scale(self.config, _absmax(g), factor, jnp, self.backoff)
+        r = solver.amplified_scale(self.config, _absmax(_narrow_part(g)), factor, jnp, self.backoff)
         target = self._settle(scale * r)
         self._decided(target, self._decided_by(scale))
         self._fit(target, self._is_fitted(scale))
+        if isinstance(g, _Wide):
+            return [_Wide(_rescale(g.narrow, r), g.wide * r)], target
         return [_rescale(g, r)], target
+
+    def _elementwise(self, node: _Node, out_cts: list[Any]) -> list[Any]:
+        """An elementwise 16-bit equation's input cotangents, in 16 bits and in fp32 (see the
+        class docstring): a pair into the chain, the 16-bit one where finite out of it."""
+        narrow = self._transpose(node, [_narrow_part(c) for c in out_cts])
+        wide = wide_vjp(*node.eqn, node.diff)([c.wide if isinstance(c, _Wide) else c for c in out_cts])
+        out = []
+        for pos, n, w in zip(node.diff, narrow, wide):
+            if node.ins[pos] in self.chained:
+                out.append(_Wide(n, w))
+            else:
+                out.append(jnp.where(jnp.isfinite(n), n, w.astype(dtype_of(n))))
+        return out
 
     def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
         """The node's input cotangents; those going to a weight in (at least) fp32
@@ -842,14 +922,17 @@ class _Sweep:
             inputs[k] = v
         slots = [sub.slot(v, o, n) for v, o, n in zip(inputs, r.origins, r.needs)]
         outs = sub.run(r.body.jaxpr, [sub.slot(c, _CONST, False) for c in r.body.consts], slots)
-        outer = self.tape, self.cts
+        outer = self.tape, self.cts, self.dual, self.chained
         self.tape, self.cts = sub, defaultdict(list)
+        if self.adaptive and not self.fp32:  # (as __init__ finds them for its tape)
+            self.dual, self.chained = _chains(sub)
+            self.chained -= set(outs)  # (each seeded)
         for s, g in zip(outs, got):
             if g is not None:
                 self.cts[s].append(g)
         self._sweep(sub.nodes)
         results = [self.take(s) if n else None for s, n in zip(slots, r.needs)]
-        self.tape, self.cts = outer
+        self.tape, self.cts, self.dual, self.chained = outer
         for i, res in zip(node.ins, results):
             if res is not None:
                 self.cts[i].append(res)
@@ -1136,6 +1219,34 @@ class _Sweep:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
         return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
                               self.tape.coverage())
+
+
+def _chains(tape: _Tape) -> tuple[set[int], set[int]]:
+    """The elementwise 16-bit equations differentiated in fp32 too (:meth:`_Sweep._elementwise`),
+    by ``id``, and the slots inside their chains. A chain: elementwise equations joined by values
+    that one computes and one other uses (nothing else does); those of several equations with a
+    nonlinear one (:data:`_NONLINEAR`: an activation function; one nonlinear equation alone, a
+    softmax's ``exp``, has no 16-bit intermediate that its result does not have) are kept."""
+    uses = Counter(node.ins[p] for node in tape.nodes for p in node.diff)
+    producer = {s: node for node in tape.nodes if node.elementwise for s in node.outs}
+    inside = {s for s in producer if uses[s] == 1}
+    root = {id(node): id(node) for node in producer.values()}
+
+    def find(k: int) -> int:
+        while root[k] != k:
+            root[k] = root[root[k]]
+            k = root[k]
+        return k
+
+    for node in tape.nodes:
+        if node.elementwise:
+            for p in node.diff:
+                if node.ins[p] in inside:
+                    root[find(id(node))] = find(id(producer[node.ins[p]]))
+    size = Counter(find(k) for k in root)
+    nonlinear = {find(id(n)) for n in producer.values() if n.eqn[0].name in _NONLINEAR}
+    dual = {k for k in root if find(k) in nonlinear and size[find(k)] > 1}
+    return dual, {s for s in inside if id(producer[s]) in dual}
 
 
 def agree_across(cts: list[Any], scale: Any, axes: tuple[Any, ...], u_max: float) -> tuple[list[Any], Any]:

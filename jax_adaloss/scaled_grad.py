@@ -35,9 +35,9 @@ class ScaledGrad(NamedTuple):
         of two booleans is a boolean: a ``jax.tree.map(jnp.add, ...)`` is caught by
         ``inverse``.)
       trace: fp32 scalar or ``None``: what :func:`jax_adaloss.adaloss` keeps of a skipped step to
-        say why (:mod:`adaloss.skips`), :func:`encode_trace` of the backward position of this
+        say why (:mod:`adaloss.skips`): ``encode_trace`` of the backward position of this
         leaf's layer (the first, from the loss, whose incoming cotangent was not finite if any
-        was; :data:`NO_LAYER` for a leaf that is no layer's weight), whether that cotangent was
+        was; ``NO_LAYER`` for a leaf that is no layer's weight), whether that cotangent was
         finite, and whether the loss was.
     """
 

@@ -29,6 +29,7 @@ import optax
 from adaloss.skips import WARN_AFTER, LayerCheck, SkipDiagnosis, SkippedStepsWarning, diagnose, warning_text
 from jax_adaloss.api import _leaf_name
 from jax_adaloss.scaled_grad import NO_LAYER, decode_trace
+from jax_adaloss.transform import AdaLossState
 
 
 def _field(opt_state: Any, name: str, owner: str) -> Any:
@@ -52,15 +53,36 @@ def skip_diagnosis(opt_state: Any) -> SkipDiagnosis | None:
     record = _field(opt_state, "last_skip", "AdaLossState")
     if int(_host(record.skip_step)) < 0:
         return None
-    traced = jax.tree_util.tree_flatten_with_path(record.skip_trace)[0]
-    names = [_leaf_name(0, path, False) for path, _ in traced]
-    parts = [decode_trace(_host(code)) for _, code in traced]
-    finite = [bool(_host(f)) for f in jax.tree.leaves(record.skip_grad_finite)]
+    leaves = jax.tree_util.tree_flatten_with_path(_field(opt_state, "scales", "AdaLossState"))[0]
+    names = [_leaf_name(0, path, False) for path, _ in leaves]
+    codes = [int(c) for c in _host(record.skip_leaves)]
+    parts = [decode_trace(c >> 1) for c in codes]
     layers = sorted((position, name, ok) for name, (position, ok, _) in zip(names, parts)
                     if position < NO_LAYER)
     return diagnose(all(loss_ok for _, _, loss_ok in parts),
                     [LayerCheck(name, name, ok) for _, name, ok in layers],
-                    dict(zip(names, finite)), bool(_host(record.skip_mixed_scales)))
+                    {name: bool(c & 1) for name, c in zip(names, codes)},
+                    bool(_host(record.skip_mixed_scales)))
+
+
+_COUNTERS = ("count", "skipped", "consecutive_skipped")
+
+
+def _follow(tree: Any, path: Any) -> Any:
+    """The node at a key path (``jax.tree_util`` keys), or ``None`` where the tree differs."""
+    for key in path:
+        try:
+            if isinstance(key, jax.tree_util.GetAttrKey):
+                tree = getattr(tree, key.name)
+            elif isinstance(key, jax.tree_util.DictKey):
+                tree = tree[key.key]
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                tree = tree[key.idx]
+            else:
+                return None
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return None
+    return tree
 
 
 @jax.jit
@@ -89,17 +111,35 @@ class SkipMonitor:
         self.after = after
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._warned_run: int | None = None  # the update count at which the run warned about began
+        # the outer state's type -> the key path to its AdaLossState (None: not an object in it)
+        self._where: dict[type, Any] = {}
 
     def __call__(self, opt_state: Any) -> None:
         """Note this step's counters (a copy, transferred in the background) and warn for the
         earlier steps whose counters have arrived."""
         if self.after is None:
             return
-        counts = _counters(*(_field(opt_state, f, "AdaLossState")
-                             for f in ("count", "skipped", "consecutive_skipped")))
+        counts = _counters(*self._counters_of(opt_state))
         counts.copy_to_host_async()
         self._in_flight.append(counts)
         self._drain(opt_state, wait=False)
+
+    def _counters_of(self, opt_state: Any) -> list[Any]:
+        """``count``, ``skipped``, ``consecutive_skipped``: the way to the
+        :class:`~jax_adaloss.AdaLossState` inside ``opt_state`` is found once per type of the
+        outer state, then followed (a search walks the whole state); by name where it holds no
+        such object (an nnx ``Optimizer``'s state holds its arrays in variables)."""
+        key = type(opt_state)
+        if key not in self._where:
+            found = jax.tree_util.tree_flatten_with_path(
+                opt_state, is_leaf=lambda x: isinstance(x, AdaLossState))[0]
+            paths = [path for path, x in found if isinstance(x, AdaLossState)]
+            self._where[key] = paths[0] if len(paths) == 1 else None
+        path = self._where[key]
+        state = _follow(opt_state, path) if path is not None else None
+        if not isinstance(state, AdaLossState):
+            return [_field(opt_state, f, "AdaLossState") for f in _COUNTERS]
+        return [state.count, state.skipped, state.consecutive_skipped]
 
     def flush(self, opt_state: Any) -> None:
         """Wait for every noted step's counters and warn where due."""

@@ -31,7 +31,6 @@ from jax_adaloss.scaled_grad import (
     NO_LAYER,
     ScaledGrad,
     StatelessScaledGrad,
-    encode_trace,
     is_scaled_grad,
 )
 
@@ -44,15 +43,15 @@ class SkipRecord(NamedTuple):
     Attributes:
       skip_step: the ``count`` of that update (int32; -1 before any skip).
       skip_mixed_scales: whether its scales were combined as values (bool).
-      skip_grad_finite: per parameter leaf, whether its unscaled gradient was finite (bool).
-      skip_trace: per parameter leaf, the gradient's :attr:`ScaledGrad.trace` (fp32; for a
-        plain array, "no layer, finite, loss finite").
+      skip_leaves: fp32, one entry per parameter leaf (in the order ``jax.tree.leaves`` gives
+        them): ``2 · trace + finite``, its gradient's :attr:`ScaledGrad.trace` (a plain
+        array's: no layer, everything finite) and whether its unscaled gradient was finite.
+        One array, so that keeping it costs one select on a GPU, not one per leaf.
     """
 
     skip_step: jax.Array
     skip_mixed_scales: jax.Array
-    skip_grad_finite: Any
-    skip_trace: Any
+    skip_leaves: jax.Array
 
 
 class AdaLossState(NamedTuple):
@@ -103,7 +102,8 @@ def _one(_: Any) -> jax.Array:
 
 
 #: the trace of a gradient that carries none (a plain array): no layer, everything finite
-_CLEAN = float(encode_trace(NO_LAYER, True, True))
+#: (:func:`~jax_adaloss.scaled_grad.encode_trace`, written out: importing runs no computation)
+_CLEAN = 4.0 * NO_LAYER + 2.0 + 1.0
 
 
 def _trace_of(g: Any) -> jax.Array:
@@ -113,9 +113,9 @@ def _trace_of(g: Any) -> jax.Array:
 
 
 def _no_skip(params: Any) -> SkipRecord:
+    n = len(jax.tree.leaves(params))
     return SkipRecord(skip_step=jnp.full((), -1, jnp.int32), skip_mixed_scales=jnp.asarray(False),
-                      skip_grad_finite=jax.tree.map(lambda _: jnp.asarray(True), params),
-                      skip_trace=jax.tree.map(lambda _: jnp.full((), _CLEAN, jnp.float32), params))
+                      skip_leaves=jnp.full((n,), 2 * _CLEAN + 1, jnp.float32))
 
 
 def _refuse_stateless(updates: Any) -> None:
@@ -149,11 +149,8 @@ def _finite(x: Any) -> jax.Array:
     return jnp.asarray(True)
 
 
-def _all_finite(flags: Any) -> jax.Array:
-    leaves = jax.tree.leaves(flags)
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.all(jnp.stack(leaves))
+def _stacked(leaves: list[jax.Array], dtype: Any) -> jax.Array:
+    return jnp.stack(leaves).astype(dtype) if leaves else jnp.zeros((0,), dtype)
 
 
 #: ``|scale · inverse − 1|`` above this: scales were combined (fp32 rounding of ``1 / scale``
@@ -207,12 +204,13 @@ def adaloss(config: AdaLossConfig | None = None,
     wrapped = optax.with_extra_args_support(inner) if inner is not None else None
 
     def init(params: Any) -> AdaLossState:
-        zero = jnp.zeros((), jnp.int32)
+        def zero(_: Any = None) -> jax.Array:  # one buffer each: a jitted step may donate the state
+            return jnp.zeros((), jnp.int32)
         return AdaLossState(
-            count=zero, skipped=zero, mixed_scales=zero, consecutive_skipped=zero,
+            count=zero(), skipped=zero(), mixed_scales=zero(), consecutive_skipped=zero(),
             last_finite=jnp.asarray(True),
             scales=jax.tree.map(_one, params),
-            backoff=zero, backoff_good=zero, lift=jax.tree.map(lambda _: zero, params),
+            backoff=zero(), backoff_good=zero(), lift=jax.tree.map(zero, params),
             last_skip=_no_skip(params),
             inner_state=wrapped.init(params) if wrapped is not None else optax.EmptyState(),
         )
@@ -228,8 +226,8 @@ def adaloss(config: AdaLossConfig | None = None,
         _refuse_stateless(updates)
         unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
         scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
-        grad_finite = jax.tree.map(_finite, unscaled)
-        finite = _all_finite(grad_finite)
+        grad_finite = _stacked([_finite(x) for x in jax.tree.leaves(unscaled)], jnp.bool_)
+        finite = jnp.all(grad_finite)
         consistent = _consistent(updates)
         ok = finite & consistent
         unscaled = _zero_nonfinite(unscaled, ok)
@@ -248,9 +246,10 @@ def adaloss(config: AdaLossConfig | None = None,
                 return k
             return solver.lift_update(config, k, g.underflow, finite, jnp)
         lift = jax.tree.map(lift_one, updates, state.lift, is_leaf=is_scaled_grad)
+        traces = _stacked([_trace_of(g) for g in jax.tree.leaves(updates, is_leaf=is_scaled_grad)],
+                          jnp.float32)
         seen = SkipRecord(skip_step=state.count, skip_mixed_scales=jnp.logical_not(consistent),
-                          skip_grad_finite=grad_finite,
-                          skip_trace=jax.tree.map(_trace_of, updates, is_leaf=is_scaled_grad))
+                          skip_leaves=2 * traces + grad_finite.astype(jnp.float32))
         return new_updates, AdaLossState(
             count=optax.safe_increment(state.count),
             skipped=state.skipped + skipped,

@@ -180,6 +180,7 @@ def test_readme_jax_snippet_trains():
     losses = []
     for _ in range(3):
         params, opt_state, loss = ns["step"](params, opt_state, batch)
+        ns["monitor"](opt_state)
         losses.append(float(loss))
     assert int(optax.tree.get(opt_state, "skipped")) == 0 and losses[-1] < losses[0]
 

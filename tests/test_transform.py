@@ -165,3 +165,24 @@ def test_the_placements_the_errors_name_train():
     params, state = _misplaced_step(tx, lambda g: jax_adaloss.tree_scale(0.25, g))
     assert int(optax.tree.get(state, "skipped")) == 0
     assert int(optax.tree.get(state, "mini_step")) == 1
+
+
+def test_a_jitted_step_may_donate_the_state():
+    """Every array of a fresh state is its own buffer (XLA refuses a buffer donated twice)."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+    tx = adaloss(inner=optax.adam(1e-2))
+
+    def loss(p, x):
+        return jnp.sum((x.astype(jnp.float16) @ p["w"].astype(jnp.float16) + p["b"]).astype(jnp.float32) ** 2)
+
+    @jax.jit
+    def step(p, s, x):
+        _, g = jax_adaloss.value_and_grad(loss)(p, x, adaloss_state=s)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    donating = jax.jit(step, donate_argnums=(0, 1))
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = donating(params, state, jnp.ones((5, 4)))
+    assert int(state.count) == 2 and int(state.skipped) == 0
