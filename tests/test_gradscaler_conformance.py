@@ -71,6 +71,21 @@ def _inject(model: torch.nn.Module) -> None:
         model[1].weight.grad.fill_(float("inf"))
 
 
+def _control_step(loss, model, optimizer, scaler, i, max_norm=None):
+    """The control loop's step: the plain backward, the same clipping, and the step skipped where
+    the scaled loop writes its inf."""
+    loss.backward()
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if not (scaler.is_enabled() and i == _SKIP_ITER):
+        optimizer.step()
+
+
+def _inject_at(model, scaler, i):
+    if i == _SKIP_ITER and scaler.is_enabled():
+        _inject(model)
+
+
 def _skipped(scaler) -> int:
     if isinstance(scaler, AdaLossScaler):
         return scaler.skipped_steps
@@ -284,13 +299,10 @@ def test_autocast_training_pickled_after_every_update_or_not(kind, opt_ctor, imp
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = _MSE(model(x), y)
                 if not scaled:
-                    loss.backward()
-                    if not (scaler.is_enabled() and i == _SKIP_ITER):
-                        optimizer.step()
+                    _control_step(loss, model, optimizer, scaler, i)
                     continue
                 scaler.scale(loss).backward()
-                if i == _SKIP_ITER and scaler.is_enabled():
-                    _inject(model)
+                _inject_at(model, scaler, i)
                 scaler.step(optimizer)
                 scaler.update()
                 if pickle_it:
@@ -353,15 +365,11 @@ def test_clipping_at_max_norm_times_get_scale(kind):
             optimizer.zero_grad()
             loss = _MSE(model(x), y)
             if not scaled:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if not (scaler.is_enabled() and i == _SKIP_ITER):
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i, max_norm)
                 continue
             scaler.scale(loss).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
-            if i == _SKIP_ITER and scaler.is_enabled():
-                _inject(model)
+            _inject_at(model, scaler, i)
             scaler.step(optimizer)
             scaler.update()
 
@@ -376,14 +384,10 @@ def test_clipping_after_a_separate_unscale(kind):
             optimizer.zero_grad()
             loss = _MSE(model(x), y)
             if not scaled:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if not (scaler.is_enabled() and i == _SKIP_ITER):
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i, max_norm)
                 continue
             scaler.scale(loss).backward()
-            if i == _SKIP_ITER and scaler.is_enabled():
-                _inject(model)
+            _inject_at(model, scaler, i)
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
             scaler.step(optimizer)
@@ -410,13 +414,10 @@ def test_gradient_penalty_through_a_double_backward(kind):
                 grads = torch.autograd.grad(loss, params, create_graph=True)
             loss = loss + torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
             if not scaled:
-                loss.backward()
-                if not (scaler.is_enabled() and i == _SKIP_ITER):
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i)
                 continue
             scaler.scale(loss).backward()
-            if i == _SKIP_ITER and scaler.is_enabled():
-                _inject(model)
+            _inject_at(model, scaler, i)
             scaler.step(optimizer)
             scaler.update()
 
@@ -514,13 +515,10 @@ def test_optimizers_that_support_amp_scaling_step_on_true_gradients(kind):
             optimizer.zero_grad()
             loss = _MSE(model(x), y)
             if not scaled:
-                loss.backward()
-                if not (scaler.is_enabled() and i == _SKIP_ITER):
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i)
                 continue
             scaler.scale(loss).backward()
-            if i == _SKIP_ITER and scaler.is_enabled():
-                _inject(model)
+            _inject_at(model, scaler, i)
             scaler.step(optimizer)
             scaler.update()
             assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
