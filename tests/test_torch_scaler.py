@@ -674,3 +674,18 @@ def test_get_scale_falls_after_a_skipped_step_as_gradscalers_does():
     assert stepped == [True, False, True, True, True] and scaler.skipped_steps == 1
     assert scaler.get_scale() == 1.0 and scaler.backoff == 0  # recovered after 2 finite steps
     assert AdaLossScaler(model, enabled=False).get_scale() == 1.0
+
+
+def test_get_scale_then_unscale_leaves_uncoalesced_sparse_gradients_true():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8, sparse=True), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    idx = torch.tensor([1, 3, 1, 5, 3, 3])  # repeated rows: an uncoalesced sparse gradient
+    (1e-6 * torch.nn.functional.mse_loss(ref(idx), torch.ones(6, 4))).backward()
+    scaler = AdaLossScaler(model, AdaLossConfig(init_scale=8.0))
+    scaler.scale(1e-6 * torch.nn.functional.mse_loss(model(idx), torch.ones(6, 4))).backward()
+    assert not model[0].weight.grad.is_coalesced() and float(scaler.grad_scales()["0.weight"]) != 8.0
+    assert scaler.get_scale() == 8.0  # brings every gradient to carry 8 ...
+    scaler.unscale_(torch.optim.SGD(model.parameters(), 0.1))  # ... and divides them by it
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), rtol=1e-6, atol=1e-8)

@@ -528,8 +528,7 @@ class AdaLossScaler:
                 grad = local_grad(p.grad)
                 if grad.dtype == torch.float16:
                     raise ValueError(_FP16_GRADS)
-                if grad.is_sparse:  # (as GradScaler: the values; a duplicate index is a sum)
-                    grad = grad._values()
+                grad = _values(grad)
                 dev = grad.device
                 entry = self._pending.pop(id(p), None)
                 if entry is None:
@@ -873,8 +872,9 @@ def _register(model: torch.nn.Module) -> str:
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient's values (coalesced: a duplicate index is a sum), a dense one itself."""
-    return t.coalesce()._values() if t.is_sparse else t
+    """A sparse gradient's own values (uncoalesced, as GradScaler unscales them: an in-place op
+    reaches the gradient; a duplicate index's entries scale alike), a dense one itself."""
+    return t._values() if t.is_sparse else t
 
 
 def _times(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
