@@ -490,7 +490,7 @@ class AdaLossScaler:
     def _on_done(self, record: BackwardRecord) -> None:
         if record.global_reason is not None and not self._warned_global:
             self._warned_global = True
-            warnings.warn(_GLOBAL_BACKWARD.format(how=record.global_reason), stacklevel=2)
+            warnings.warn(_GLOBAL_BACKWARD.format(how=record.global_reason), stacklevel=_user_stacklevel())
         self._records.append(record)
         self._last = record
         self._pending.update(record.leaf_scales)
@@ -514,7 +514,6 @@ class AdaLossScaler:
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         groups: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        ones: dict[torch.device, torch.Tensor] = {}
         found: dict[torch.device, torch.Tensor] = state["found_inf"]
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -531,12 +530,7 @@ class AdaLossScaler:
                 grad = _values(grad)
                 dev = grad.device
                 entry = self._pending.pop(id(p), None)
-                if entry is None:
-                    if dev not in ones:
-                        ones[dev] = torch.ones((), dtype=_F32, device=dev)
-                    scale = ones[dev]
-                else:
-                    scale = entry[1]
+                scale = self._one(dev) if entry is None else entry[1]
                 key = (id(scale), dev, grad.dtype)
                 groups.setdefault(key, (scale, []))[1].append(grad)
                 if dev not in found:  # (setdefault would make a tensor per parameter)
@@ -704,14 +698,12 @@ class AdaLossScaler:
         """A copy on the same model, or on its copy where the same ``deepcopy`` copied it."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        state = self.__getstate__()
-        pending, fused = state.pop("_pending"), state.pop("_fused")
-        new.__dict__.update(copy.deepcopy(state, memo))
-        new._fused = None if fused is None else FusedMath(*fused)
-        model = memo.get(id(self._model), self._model)
-        if model is not self._model:
+        state = copy.deepcopy(self.__getstate__(), memo)
+        new.__setstate__(state)
+        model = memo.get(id(self._model))
+        if model is not None and model is not self._model:
             new._token = _register(model)
-        new._attach(model, {k: copy.deepcopy(v, memo) for k, v in pending.items()})
+            new._attach(model, state["_pending"])
         return new
 
     def _attach(self, model: torch.nn.Module | None, pending: dict[str, torch.Tensor]) -> None:
@@ -891,7 +883,7 @@ def _warn_foreign(plan: ScalePlan, names: dict[int, str], model: torch.nn.Module
             f"of the scaler's model ({type(model).__name__}): its layers are scaled and unscaled, but "
             "named after shapes, so state_dict(), the per-layer feedback and grad_scales() cannot follow "
             "them. Build the scaler on the module the loss is computed from (several: "
-            "AdaLossScaler(torch.nn.ModuleList([...]))).", stacklevel=4)
+            "AdaLossScaler(torch.nn.ModuleList([...]))).", stacklevel=_user_stacklevel())
 
 
 def _user_stacklevel() -> int:
