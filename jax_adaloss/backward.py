@@ -89,6 +89,11 @@ _NONLINEAR = frozenset((
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos",
     "tan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "integer_pow",
     "pow"))
+#: equations whose transpose moves, copies or sums entries of one value into another's place, and
+#: casts: a cotangent whose entries are all values of a 16-bit format stays so through them
+#: (a ``broadcast_in_dim`` only where it adds unit axes: its transpose sums one entry each)
+_EXACT_MOVES = frozenset(("reshape", "squeeze", "expand_dims", "transpose", "reduce_sum", "copy", "copy_p",
+                          "rev", "broadcast_in_dim", "convert_element_type"))
 _F32 = jnp.float32
 
 
@@ -656,6 +661,9 @@ class _Sweep:
         self.spreads: dict[str, Any] = {}
         self.cache = cache
         self.inverses: dict[int, tuple[Any, Any]] = {}  # id(scale) -> (scale, 1 / scale)
+        # id(cotangent) -> (cotangent, a 16-bit dtype): a wider cotangent all of whose entries are
+        # values of that dtype (:meth:`_exact_dtype`)
+        self.exact: dict[int, tuple[Any, Any]] = {}
         step = cache.step if cache is not None else jnp.zeros((), jnp.int32)
         self.recompute = (step % config.update_every) == 0
         self.step = step
@@ -676,6 +684,36 @@ class _Sweep:
         got = self.inverses.get(id(scale))
         return got[1] if got is not None and got[0] is scale else None
 
+    def _exact_dtype(self, ct: Any) -> Any:
+        """The 16-bit float dtype all of ``ct``'s entries are values of, or ``None``: its own, or,
+        for a wider cotangent, the one it was widened from (through :data:`_EXACT_MOVES`).
+
+        ``jnp.sum`` of a 16-bit array widens it to fp32, sums and narrows the result back
+        (``jax.nn.softmax``'s denominator, a mean, a LayerNorm's moments); in the backward the
+        16-bit cotangent is widened, broadcast, and reaches the forward's widening cast, whose
+        narrowing is then exact: no entry underflows or overflows, and no decision is needed."""
+        dtype = jnp.dtype(jnp.result_type(ct))
+        if _is_float(dtype) and dtype.itemsize <= 2:
+            return dtype
+        got = self.exact.get(id(ct))
+        return got[1] if got is not None and got[0] is ct else None
+
+    def _mark_exact(self, node: _Node, out_cts: list[Any], cts: Sequence[Any]) -> None:
+        """Record the input cotangent of a move or cast (:data:`_EXACT_MOVES`) as exact in the
+        16-bit dtype its output cotangent is exact in."""
+        prim, _, vals = node.eqn
+        if prim.name not in _EXACT_MOVES or len(node.diff) != 1 or len(out_cts) != 1:
+            return
+        dtype = self._exact_dtype(out_cts[0])
+        ct = cts[0]
+        into = jnp.dtype(jnp.result_type(ct)) if _is_float(jnp.result_type(ct)) else None
+        if dtype is None or into is None or (into != dtype and into.itemsize < 4):
+            return
+        if prim.name == "broadcast_in_dim" and np.size(vals[0]) != np.size(self.tape.values[node.outs[0]]):
+            return  # its transpose sums several entries
+        if into.itemsize > 2:
+            self.exact[id(ct)] = (ct, dtype)
+
     # -- merging ----------------------------------------------------------------
     def _u_max(self, dtype: Any) -> float:
         dtype = jnp.dtype(dtype)
@@ -695,6 +733,14 @@ class _Sweep:
         if all(p[1] is first for p in parts):
             return _sum([p[0] for p in parts]), first
         dtype = jnp.result_type(*[p[0] for p in parts])
+        if not self.config.fp8 and all(jnp.dtype(jnp.result_type(p[0])).itemsize > 2 for p in parts):
+            # fp32 (or wider) parts, summed in their dtype: the largest scale, merge_scale's pick
+            # wherever the sum is finite (a sum beyond fp32's range skips the step, as any
+            # non-finite gradient does), without a pass over each part for its max
+            target = self._settle(functools.reduce(jnp.maximum, [jnp.asarray(p[1], _F32) for p in parts]))
+            self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
+            self._fit(target)
+            return _sum([_rescale(ct, target / s) for ct, s in parts]), target
         absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
         if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
             target = self._settle(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
@@ -788,6 +834,8 @@ class _Sweep:
                     scale = self._unfitted(scale)
                 chain = id(node) in self.dual
                 cts = self._elementwise(node, out_cts) if chain else self._transpose(node, out_cts)
+                if not chain and node.factor is None and not node.axes:
+                    self._mark_exact(node, out_cts, cts)
                 for pos, ct in zip(node.diff, cts):
                     self.cts[node.ins[pos]].append((ct, scale))
 
@@ -1145,6 +1193,12 @@ class _Sweep:
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
         cfg = self.config
+        if self._exact_dtype(g) == jnp.dtype(jnp.result_type(node.eqn[2][0])):
+            # every entry is a value of the cast's 16-bit dtype (:meth:`_exact_dtype`): narrowing
+            # it loses nothing, and the cotangent keeps the scale it carries
+            (ct,) = node.vjp([g])
+            self.cts[node.ins[0]].append((ct, incoming))
+            return
         if cfg.fp8:  # it reads its tensor anyway: per-tensor current scaling, no entry saturates
             m = jnp.max(jnp.abs(g)).astype(_F32)
             d = solver.fp8_fit_scale(cfg, m, incoming, jnp, self.backoff)

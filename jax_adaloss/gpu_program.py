@@ -184,12 +184,48 @@ def jaxpr_casts(fun: Callable[..., Any], *args: Any) -> dict[str, int]:
 
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
-# "%name = f8e5m2[512,512]{1,0} convert(...)", or with a tuple type "(bf16[..]{..}, s8[..]{0})"
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = (\([^()]*\)|\S+) ([\w\-]+)\((.*)$")
+_NAMED = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*)$")
+#: instructions outside fusions that launch nothing: buffers, views, tuples and control flow
+#: (the computations a loop or call runs are counted where they launch)
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+                   "conditional", "after-all", "add-dependency", "opt-barrier", "partition-id",
+                   "replica-id", "domain"})
 
 
-def read_hlo(text: str) -> dict[str, Any]:
-    """The counts of :class:`GpuProgram` from an optimized HLO module's text."""
+def _instruction(line: str) -> tuple[str, str, str, str] | None:
+    """``(name, shape, opcode, text after "opcode(")`` of one instruction line, or ``None``.
+
+    The shape is an array type (``f8e5m2[512,512]{1,0}``) or a tuple of them, nested to any
+    depth (``((f32[48]{0}, f32[48]{0}), f16[768,64]{1,0})``: a fusion computing statistics beside
+    a convert)."""
+    m = _NAMED.match(line)
+    if m is None:
+        return None
+    name, rest = m.groups()
+    if rest.startswith("("):
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += (c == "(") - (c == ")")
+            if depth == 0:
+                break
+        else:
+            return None
+        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op, paren, rest = rest.partition("(")
+    if not paren or not re.fullmatch(r"[\w\-]+", op):
+        return None
+    return name, shape, op, rest
+
+
+def _parse(text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], set[str], dict[str, str], str | None]:
+    """An optimized module's computations (each a list of ``(name, dtype, opcode, rest)``), the
+    fused ones (a fusion's body, a reducer or comparator, and what those call: none launches a
+    kernel of its own), every instruction's shape, and the entry.
+
+    Raises ``ValueError`` on an instruction line it cannot read: a count that skips what it
+    cannot parse reports fewer kernels than the program launches."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     fused: set[str] = set()
     shapes: dict[str, str] = {}  # instruction names are unique in a module
@@ -204,18 +240,34 @@ def read_hlo(text: str) -> dict[str, Any]:
         if line.startswith("}"):
             current = None
             continue
-        m = _INSTRUCTION.match(line)
-        if m and current is not None:
-            name, shape, op, rest = m.groups()
-            current.append((name, re.split(r"[\[({]", shape, maxsplit=1)[0] or shape, op, rest))
-            shapes[name] = shape
-            if m.group(3) == "fusion":
-                called = re.search(r"calls=%([\w.\-]+)", m.group(4))
-                if called:
-                    fused.add(called.group(1))
-    for name in list(fused):  # computations called from fused ones (reducers) are fused too
-        for *_, rest in comps.get(name, ()):
+        if current is None or not _NAMED.match(line):
+            continue
+        parsed = _instruction(line)
+        if parsed is None:
+            raise ValueError(f"gpu_program cannot read this HLO instruction: {line.strip()[:200]}")
+        name, shape, op, rest = parsed
+        current.append((name, re.split(r"[\[({]", shape, maxsplit=1)[0] or shape, op, rest))
+        shapes[name] = shape
+        if op != "call":  # a fusion's body, a reducer, a comparator: run inside one kernel
             fused.update(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest))
+    stack = list(fused)
+    while stack:  # computations called from those run inside the same kernel
+        for *_, rest in comps.get(stack.pop(), ()):
+            for called in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest):
+                if called not in fused:
+                    fused.add(called)
+                    stack.append(called)
+    return comps, fused, shapes, entry
+
+
+def read_hlo(text: str) -> dict[str, Any]:
+    """The counts of :class:`GpuProgram` from an optimized HLO module's text.
+
+    A kernel is every instruction of an unfused computation that is not free (:data:`_FREE`):
+    fusions, custom calls, and bare ``copy`` (XLA copies a value that leaves the program twice,
+    or a parameter or constant that leaves it), ``sort``, collectives and whatever else the
+    compiler leaves unfused."""
+    comps, fused, shapes, entry = _parse(text)
     types = {c: {n: d for n, d, _, _ in instrs} for c, instrs in comps.items()}
     converts = dict.fromkeys(FP8_TYPES, 0)
     gemms = reading = fp8 = kernels = kernel_bytes = 0
@@ -224,7 +276,7 @@ def read_hlo(text: str) -> dict[str, Any]:
         for name, dtype, op, rest in instrs:
             if op == "convert" and dtype in converts:
                 converts[dtype] += 1
-            if comp in fused or op not in ("fusion", "custom-call"):
+            if comp in fused or op in _FREE:
                 continue
             kernels += 1
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
@@ -424,3 +476,116 @@ def _dot_takes_fp8(comps: dict[str, list[tuple[str, str, str, str]]], types: dic
             if called and _dot_takes_fp8(comps, types, called.group(1), depth + 1):
                 return True
     return False
+
+
+#: what each kernel of an adaloss program does, from the functions on the stack of the value it
+#: writes (the optimized HLO keeps the frames JAX traced it under), checked in this order
+CATEGORIES = ("scalars", "merges", "statistics", "rescales", "model")
+_MERGE_FRAMES = frozenset(("_Sweep.merge", "_Sweep._one_scale", "_Sweep._agree", "agree_across"))
+_STAT_FRAMES = frozenset(("statistics", "statistics_of", "_absmax", "_absmaxes", "log_magnitudes",
+                          "magnitude_stats", "_Sweep._fit_current"))
+_RESCALE_FRAMES = frozenset(("rescale", "_rescale"))
+#: a kernel whose every result is at most this many bytes, reading at most :data:`_SCALAR_READ`:
+#: a decision's scalar math, or a copy of a scalar output
+_SCALAR_OUT, _SCALAR_READ = 64, 4096
+
+
+def _frames(text: str) -> dict[int, list[str]]:
+    """stack frame id -> the function names on it, innermost first (the module's StackFrames)."""
+    sections: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = sections.setdefault(line, {})
+            continue
+        m = re.match(r"^(\d+) (.*)$", line) if current is not None else None
+        if m is None:
+            current = None if line.strip() == "" or not line[:1].isdigit() else current
+            continue
+        current[int(m.group(1))] = m.group(2)
+    names = {k: v.strip('"') for k, v in sections.get("FunctionNames", {}).items()}
+    loc_fn = {k: int(re.search(r"function_name_id=(\d+)", v).group(1))
+              for k, v in sections.get("FileLocations", {}).items()}
+    frames = {k: (int(re.search(r"file_location_id=(\d+)", v).group(1)),
+                  int(re.search(r"parent_frame_id=(\d+)", v).group(1)))
+              for k, v in sections.get("StackFrames", {}).items()}
+    out: dict[int, list[str]] = {}
+    for k in frames:  # a frame's parent is printed one above its id (0: none)
+        stack, f = [], k
+        while f in frames and len(stack) < 256:
+            loc, parent = frames[f]
+            stack.append(names.get(loc_fn.get(loc, 0), ""))
+            f = parent - 1
+        out[k] = stack
+    return out
+
+
+def attribute(text: str) -> dict[str, dict[str, int]]:
+    """Kernels launched per run and the bytes they move, per category of :data:`CATEGORIES`:
+    ``scalars`` (every result a few bytes: decisions, copies of scalar outputs), ``merges``
+    (contributions brought to one scale and summed: their max passes, rescales, stored sums),
+    ``statistics`` (reductions a decision reads), ``rescales`` (a cotangent multiplied by a
+    decided scale on its own), ``model`` (the differentiated function's own backward: the
+    kernels a plain ``jax.value_and_grad`` has too, with what rides in them). A kernel counts in
+    the category of its largest result. The categories sum to ``kernels_run`` and
+    ``kernel_bytes_run``."""
+    comps, fused, shapes, entry = _parse(text)
+    frames = _frames(text)
+    frame_of: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s+(?:ROOT )?%(\S+) = .*stack_frame_id=(\d+)", line)
+        if m:
+            frame_of[m.group(1)] = int(m.group(2))
+    root_names = {m.group(1) for m in re.finditer(r"^\s+ROOT %(\S+) = ", text, re.MULTILINE)}
+
+    def category(name: str, op: str, rest: str) -> str:
+        sizes = [_array_bytes(s) for s in _ARRAY_SHAPES.findall(shapes.get(name, ""))] or [0]
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        read = sum(_array_bytes(shapes.get(o, "")) for o in operands)
+        if max(sizes) <= _SCALAR_OUT and read <= _SCALAR_READ:
+            return "scalars"
+        target = name
+        if op == "fusion":
+            called = re.search(r"calls=%([\w.\-]+)", rest)
+            body = {n: (o, r) for n, _, o, r in comps.get(called.group(1), ())} if called else {}
+            root = next((n for n in body if n in root_names), None)
+            target = root or name
+            seen = 0
+            while target in body and body[target][0] in ("tuple", "bitcast", "get-tuple-element") and seen < 64:
+                args = re.findall(r"%([\w.\-]+)", body[target][1].split(")", 1)[0])
+                if not args:
+                    break
+                target = max(args, key=lambda a: _array_bytes(shapes.get(a, "")))
+                seen += 1
+        stack = frames.get(frame_of.get(target, frame_of.get(name, -1)), [])
+        if _MERGE_FRAMES.intersection(stack):
+            return "merges"
+        if _STAT_FRAMES.intersection(stack):
+            return "statistics"
+        if _RESCALE_FRAMES.intersection(stack) and not {"_Sweep._transpose", "_Sweep._input_grad"} & set(stack):
+            return "rescales"
+        return "model"
+
+    own: dict[str, dict[str, list[int]]] = {}
+    for comp, instrs in comps.items():
+        if comp in fused:
+            continue
+        for name, _, op, rest in instrs:
+            if op in _FREE:
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            gemm = _is_gemm(op, rest)
+            called = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
+            moved = _moved(comps, shapes, operands, name, called.group(1) if called else None,
+                           workspace=gemm and op == "custom-call")
+            counts = own.setdefault(category(name, op, rest), {}).setdefault(comp, [0, 0])
+            counts[0] += 1
+            counts[1] += moved
+    out = {}
+    for cat in CATEGORIES:
+        k, b = _launched(comps, own.get(cat, {}), entry) if entry is not None else (0, 0)
+        out[cat] = {"kernels": k, "bytes": b}
+    return out
+
+
+_ARRAY_SHAPES = re.compile(r"\w+\[[\d,]*\]")
