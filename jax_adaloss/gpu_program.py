@@ -204,13 +204,15 @@ def _instruction(line: str) -> tuple[str, str, str, str] | None:
     name, rest = m.groups()
     if rest.startswith("("):
         depth = 0
+        end = None
         for i, c in enumerate(rest):
             depth += (c == "(") - (c == ")")
             if depth == 0:
+                end = i + 1
                 break
-        else:
+        if end is None:
             return None
-        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+        shape, rest = rest[:end], rest[end:].lstrip()
     else:
         shape, _, rest = rest.partition(" ")
     op, paren, rest = rest.partition("(")
@@ -219,7 +221,10 @@ def _instruction(line: str) -> tuple[str, str, str, str] | None:
     return name, shape, op, rest
 
 
-def _parse(text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], set[str], dict[str, str], str | None]:
+_Computations = dict[str, list[tuple[str, str, str, str]]]
+
+
+def _parse(text: str) -> tuple[_Computations, set[str], dict[str, str], str | None]:
     """An optimized module's computations (each a list of ``(name, dtype, opcode, rest)``), the
     fused ones (a fusion's body, a reducer or comparator, and what those call: none launches a
     kernel of its own), every instruction's shape, and the entry.
@@ -485,6 +490,8 @@ _MERGE_FRAMES = frozenset(("_Sweep.merge", "_Sweep._one_scale", "_Sweep._agree",
 _STAT_FRAMES = frozenset(("statistics", "statistics_of", "_absmax", "_absmaxes", "log_magnitudes",
                           "magnitude_stats", "_Sweep._fit_current"))
 _RESCALE_FRAMES = frozenset(("rescale", "_rescale"))
+_MODEL_FRAMES = frozenset(("_Sweep._transpose", "_Sweep._input_grad"))  # a rescale inside the vjp
+_PASS_THROUGH = ("tuple", "bitcast", "get-tuple-element")
 #: a kernel whose every result is at most this many bytes, reading at most :data:`_SCALAR_READ`:
 #: a decision's scalar math, or a copy of a scalar output
 _SCALAR_OUT, _SCALAR_READ = 64, 4096
@@ -551,7 +558,7 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
             root = next((n for n in body if n in root_names), None)
             target = root or name
             seen = 0
-            while target in body and body[target][0] in ("tuple", "bitcast", "get-tuple-element") and seen < 64:
+            while target in body and body[target][0] in _PASS_THROUGH and seen < 64:
                 args = re.findall(r"%([\w.\-]+)", body[target][1].split(")", 1)[0])
                 if not args:
                     break
@@ -562,7 +569,7 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
             return "merges"
         if _STAT_FRAMES.intersection(stack):
             return "statistics"
-        if _RESCALE_FRAMES.intersection(stack) and not {"_Sweep._transpose", "_Sweep._input_grad"} & set(stack):
+        if _RESCALE_FRAMES.intersection(stack) and not _MODEL_FRAMES.intersection(stack):
             return "rescales"
         return "model"
 

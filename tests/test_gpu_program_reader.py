@@ -2,6 +2,7 @@
 HLO, one module per form it must count: a fusion whose result is a nested tuple, a bare copy,
 a loop's body per iteration, reducers and comparators (no kernels of their own), and a line it
 cannot read (an error, never a smaller count). No compiler needed."""
+# ruff: noqa: E501 (HLO lines as the compiler prints them)
 
 import pytest
 
