@@ -49,28 +49,24 @@ def section(result: dict[str, Any]) -> list[str]:
 
 
 def gpu_table(payload: dict[str, Any]) -> str:
-    """Markdown: adaloss against its baseline per (gradients, layout, blocks, program) of
-    ``benchmarks/gpu_cost.py``'s JSON."""
-    rows = payload["rows"]
-
-    def get(r: dict[str, Any], method: str) -> dict[str, Any]:
-        keys = ("config", "layout", "blocks", "program")
-        return next(x for x in rows if x["method"] == method and all(x[k] == r[k] for k in keys))
-
-    def pair(a: float, b: float, fmt: str) -> str:
-        return f"{a / b:.2f}× ({a:{fmt}} vs {b:{fmt}})"
-    lines = ["| gradients | layout | blocks | program | kernels | MB moved | compile (s) | est. H100 (ms) "
-             "| est. H200 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["method"] != "adaloss":
-            continue
-        b = get(r, "baseline")
-        lines.append(f"| {r['config']} | {r['layout']} | {r['blocks']} | {r['program']} | "
-                     f"{pair(r['kernels_run'], b['kernels_run'], 'd')} | "
-                     f"{pair(r['kernel_bytes_run'] / 1e6, b['kernel_bytes_run'] / 1e6, '.0f')} | "
-                     f"{pair(r['compile_s'], b['compile_s'], '.1f')} | "
-                     f"{pair(r['estimate_ms']['h100'], b['estimate_ms']['h100'], '.2f')} | "
-                     f"{pair(r['estimate_ms']['h200'], b['estimate_ms']['h200'], '.2f')} |")
+    """Markdown: adaloss against its baseline per (width, gradients, layout, blocks, program) of
+    ``benchmarks/gpu_cost.py``'s JSON, with the bytes each kind of kernel adds."""
+    lines = ["| width | gradients | layout | blocks | program | MB moved | kernels (scalar) | compile "
+             "| est. H100 | bytes added: statistics / merges / rescales / model |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {tuple(r[k] for k in ("width", "config", "layout", "blocks", "program")): r
+            for r in payload["rows"] if r["method"] == "baseline"}
+    for r in payload["ratios"]:
+        b = base.get(tuple(r[k] if k != "config" else payload.get("baseline_of", {}).get(r[k], r[k])
+                           for k in ("width", "config", "layout", "blocks", "program")))
+        mb = f" ({b['kernel_bytes_run'] / 1e6:,.0f} MB)" if b is not None else ""
+        vs = f", {r['bytes_vs_current']:.3f}× current scaling's" if "bytes_vs_current" in r else ""
+        x = r["extra"]
+        lines.append(f"| {r['width']} | {r['config']} | {r['layout']} | {r['blocks']} | {r['program']} | "
+                     f"{r['bytes']:.3f}×{mb}{vs} | {r['kernels']:.2f}× ({r['scalar_kernels']:.2f}) | "
+                     f"{r['compile']:.2f}× | {r['estimate_h100']:.2f}× | "
+                     + " / ".join(f"{100 * x.get(c, 0.0):+.1f}%" for c in ("statistics", "merges", "rescales",
+                                                                          "model")) + " |")
     return "\n".join(lines)
 
 
@@ -81,12 +77,17 @@ def gpu_section(payload: dict[str, Any]) -> list[str]:
             f"```\n{payload['command']}\n```", "",
             "No GPU has run these steps. XLA:GPU compiles them on this machine for an H100 target "
             "(`jax_adaloss.gpu_program`), and the optimized program says what a device would launch: "
-            "kernels (fusions and library calls) and the bytes they move. Each layer decision reads its "
-            "cotangent in one kernel (every statistic in one variadic reduction) and decides in a "
-            "second; a merge of branches that carry different scales reads them in one and decides in "
-            "another before the sum is written. At these sizes a step is launch-bound, so the "
-            "estimated step time follows the kernel count.", "",
-            f"jax {payload['jax']}, {payload['model']}, compiled for an H100 (default flags; nothing "
+            "kernels (fusions, library calls, copies) and the bytes they move, each kernel attributed "
+            "to what it does by the frames XLA keeps (`jax_adaloss.gpu_program.attribute`): a "
+            "statistics pass a decision reads, a merge of branches that carry different scales (their "
+            "max pass and the rescaled sum written), a rescale on its own, a scalar kernel (a "
+            "decision's math; a copy of a per-leaf scalar the gradient returns), or the model's own "
+            "backward. At the toy width a step is launch-bound, and the estimated step time follows "
+            "the kernel count; at the widths people train, the bytes.", "",
+            f"jax {payload['jax']}, widths: " + "; ".join(
+                f"{w}: vocab {v['vocab']}, dim {v['dim']}, {v['heads']} heads, seq {v['seq']}, batch "
+                f"{v['batch']}" for w, v in payload["widths"].items()) + ". Compiled for an H100 (default "
+            "flags; nothing "
             "ran). Kernels and MB: what one run launches and moves (each kernel reading its operands "
             "and writing its results once, the slice of a loop's buffer it reads or updates in place; "
             "a scanned body once per iteration). **Estimated** step time: MB ÷ bandwidth + flops ÷ "

@@ -335,21 +335,18 @@ def gpu_program(docs: Path) -> str:
 
 
 def gpu_cost_summary(docs: Path) -> list[str]:
-    """The default's GPU-program rows in a line each, for the does-it-help page."""
+    """The default's GPU-program rows in a line per width and program, for the does-it-help page."""
     table = _json(docs, "gpu_cost.json")["ratios"]
     out = []
     for program, base in (("gradient", "`jax.value_and_grad`"), ("step", "`jmp.DynamicLossScale`")):
-        rows = [r for r in table if (r["config"], r["layout"], r["program"]) == ("fp16", "unrolled", program)]
-        if not rows:
-            continue
-
-        def span(key: str, rows: list[dict[str, Any]] = rows) -> str:
-            lo, hi = f"{min(r[key] for r in rows):.2f}", f"{max(r[key] for r in rows):.2f}"
-            return f"{lo}×" if lo == hi else f"{lo}-{hi}×"
-        out.append(f"- **JAX on an H100, the compiled program, unrolled, {rows[0]['blocks']}-"
-                   f"{rows[-1]['blocks']} blocks, {program}** (`benchmarks/gpu_cost.py`, no device): "
-                   f"kernels {span('kernels')} {base}'s, bytes moved {span('bytes')}, estimated step "
-                   f"time {span('estimate_h100')}.")
+        for width in dict.fromkeys(r["width"] for r in table):
+            rows = [r for r in table if (r["width"], r["config"], r["layout"], r["program"])
+                    == (width, "fp16", "unrolled", program)]
+            for r in rows:
+                out.append(f"- **JAX on an H100, the compiled program, {width} width, {r['blocks']} blocks "
+                           f"unrolled, {program}** (`benchmarks/gpu_cost.py`, no device): bytes moved "
+                           f"{r['bytes']:.2f}× {base}'s, kernels {r['kernels']:.2f}×, estimated step time "
+                           f"{r['estimate_h100']:.2f}×.")
     return out
 
 

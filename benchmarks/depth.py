@@ -122,11 +122,14 @@ def _time(runs: dict[str, Any], repeats: int, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rounds.items()}
 
 
-def train_steps(loss: Any, params: Any, config: Any = None) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+def train_steps(loss: Any, params: Any, config: Any = None, abstract: bool = False
+                ) -> dict[str, tuple[Any, tuple[Any, ...]]]:
     """The two training steps (gradient, unscaling, non-finite skip, Adam) and their state
     arguments (the batch ``x, y`` follows them): ``"adaloss"`` (``adaloss()`` chained with
     ``optax.adam``, ``config`` for both) and ``"dynamic"`` (``jmp.DynamicLossScale`` with
-    GradScaler's defaults around ``jax.value_and_grad`` and the same Adam)."""
+    GradScaler's defaults around ``jax.value_and_grad`` and the same Adam). ``abstract``: the
+    optimizer states as shapes only (``params`` may be ``jax.ShapeDtypeStruct`` leaves: to
+    compile, not to run)."""
     ada_tx = optax.chain(jax_adaloss.adaloss(config), optax.adam(1e-4))
     adam = optax.adam(1e-4)
 
@@ -148,8 +151,9 @@ def train_steps(loss: Any, params: Any, config: Any = None) -> dict[str, tuple[A
         return p, s, (ls.loss_scale, ls.counter), value
 
     ls0 = jmp.DynamicLossScale(jnp.float32(2.0**16))
-    return {"adaloss": (ada_step, (params, ada_tx.init(params))),
-            "dynamic": (dyn_step, (params, adam.init(params), (ls0.loss_scale, ls0.counter)))}
+    init = jax.eval_shape if abstract else (lambda f, p: f(p))
+    return {"adaloss": (ada_step, (params, init(ada_tx.init, params))),
+            "dynamic": (dyn_step, (params, init(adam.init, params), (ls0.loss_scale, ls0.counter)))}
 
 
 def _train_steps(loss: Any, params: Any, x: jax.Array, y: jax.Array, runs: dict[str, Any]

@@ -2,12 +2,16 @@
 
     pip install -e '.[gpu-program]'                  # the CUDA plugin (no CUDA libraries)
     python benchmarks/gpu_cost.py                     # docs/gpu_cost.json, table printed
-    python benchmarks/gpu_cost.py --blocks 8 --layouts unrolled --configs fp16
+    python benchmarks/gpu_cost.py --widths gpt2 --layouts unrolled --configs fp16 --programs gradient
 
-The depth benchmark's LM (:mod:`depth`: vocab 256, dim 128, 4 heads, seq 64, batch 8) at
-``--blocks`` depths, its blocks unrolled or scanned, for each gradient format ``--configs``
-(``fp16``: the default, the LM in fp16; ``bf16``: the LM and the gradients in bf16;
-``fp8``: e5m2 gradients of the fp16 LM), compiled for an H100 target with default flags
+The depth benchmark's LM (:mod:`depth`) at the widths people train (``--widths``: ``toy``,
+vocab 256, dim 128, 4 heads, seq 64, batch 8, 8 blocks; ``gpt2``, GPT-2 small's vocab-32k
+widths, dim 768, 12 heads, seq 1024, batch 8, 4 blocks; ``1b``, a 1B-class layer, dim 2048,
+16 heads, seq 2048, batch 4, 2 blocks; ``--blocks`` overrides the depth), its blocks unrolled
+or scanned, for each gradient format ``--configs`` (``fp16``: the default, the LM in fp16;
+``bf16``: the LM and the gradients in bf16; ``fp8``: e5m2 gradients of the fp16 LM;
+``fp8-current``: the same with ``fp8_rule="current"``, per-tensor current scaling, the FP8
+row's reference), compiled for an H100 target with default flags
 (:mod:`jax_adaloss.gpu_program`), two programs each beside its baseline:
 
 - the gradient: ``jax_adaloss.value_and_grad`` (at its initial state) against
@@ -17,7 +21,9 @@ The depth benchmark's LM (:mod:`depth`: vocab 256, dim 128, 4 heads, seq 64, bat
   Adam (:func:`depth.train_steps`).
 
 Read from the optimized program: kernels launched per run and the bytes they move (a scanned
-body counted once per iteration), XLA's flops, temporary memory and compile seconds. An
+body counted once per iteration), each kernel attributed to what it does
+(:func:`jax_adaloss.gpu_program.attribute`: the model's own backward, statistics passes,
+merges, rescales, scalar kernels), XLA's flops, temporary memory and compile seconds. An
 **estimated** step time per target comes from a stated model, nothing having run:
 ``bytes / bandwidth + flops / peak + kernels × launch``, with :data:`TARGETS`' figures (a
 scanned row takes its unrolled twin's flops: XLA's analysis counts a loop body once).
@@ -37,7 +43,6 @@ gp.environment()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from depth import LM, train_steps  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -52,7 +57,15 @@ TARGETS = {"h100": {"bandwidth": 3.35e12, "peak": 989e12, "launch": 4e-6},
 #: gradient format -> (the LM's compute dtype, the config)
 CONFIGS = {"fp16": (jnp.float16, AdaLossConfig()),
            "bf16": (jnp.bfloat16, AdaLossConfig(grad_format="bfloat16")),
-           "fp8": (jnp.float16, AdaLossConfig(grad_format="float8_e5m2"))}
+           "fp8": (jnp.float16, AdaLossConfig(grad_format="float8_e5m2")),
+           "fp8-current": (jnp.float16, AdaLossConfig(grad_format="float8_e5m2", fp8_rule="current"))}
+#: width -> the LM and its batch
+WIDTHS = {"toy": {"vocab": 256, "dim": 128, "heads": 4, "seq": 64, "batch": 8, "blocks": 8},
+          "gpt2": {"vocab": 32768, "dim": 768, "heads": 12, "seq": 1024, "batch": 8, "blocks": 4},
+          "1b": {"vocab": 32768, "dim": 2048, "heads": 16, "seq": 2048, "batch": 4, "blocks": 2}}
+KEYS = ("width", "config", "layout", "blocks", "program")
+#: a config whose baseline is another's (the same model: fp8-current's is fp8's)
+BASELINE_OF = {"fp8-current": "fp8"}
 
 
 def estimate_ms(row: dict[str, Any], flops: float, target: str) -> float:
@@ -62,18 +75,19 @@ def estimate_ms(row: dict[str, Any], flops: float, target: str) -> float:
     return 1e3 * seconds
 
 
-def programs(config: str, blocks: int, scanned: bool) -> dict[tuple[str, str], tuple[Any, tuple[Any, ...]]]:
-    """(program, method) -> (function, its arguments) for one model."""
+def programs(width: str, config: str, blocks: int, scanned: bool
+             ) -> dict[tuple[str, str], tuple[Any, tuple[Any, ...]]]:
+    """(program, method) -> (function, its arguments: shapes only) for one model."""
     dtype, cfg = CONFIGS[config]
-    model = LM(256, 128, 4, blocks, scanned, dtype)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 65)), jnp.int32)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    params = model.init(jax.random.key(0), x)
+    w = WIDTHS[width]
+    model = LM(w["vocab"], w["dim"], w["heads"], blocks, scanned, dtype)
+    x = y = jax.ShapeDtypeStruct((w["batch"], w["seq"]), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(x.shape, x.dtype))
 
     def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
     vg = jax_adaloss.value_and_grad(loss, config=cfg)
-    steps = train_steps(loss, params, cfg)
+    steps = train_steps(loss, params, cfg, abstract=True)
     return {("gradient", "adaloss"): (lambda p, x, y: vg(p, x, y, adaloss_state=None), (params, x, y)),
             ("gradient", "baseline"): (jax.value_and_grad(loss), (params, x, y)),
             ("step", "adaloss"): (steps["adaloss"][0], (*steps["adaloss"][1], x, y)),
@@ -81,59 +95,80 @@ def programs(config: str, blocks: int, scanned: bool) -> dict[tuple[str, str], t
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """adaloss / baseline per (config, layout, blocks, program)."""
-    base = {(r["config"], r["layout"], r["blocks"], r["program"]): r
-            for r in rows if r["method"] == "baseline"}
+    """adaloss / baseline per (width, config, layout, blocks, program); ``extra``: the bytes
+    each category adds, as a fraction of the baseline's (``model``: the model's own kernels'
+    bytes against the baseline's total); an fp8 row's ``bytes_vs_current``: against the same
+    program with ``fp8_rule="current"``."""
+    def key(r: dict[str, Any], config: str | None = None) -> tuple[Any, ...]:
+        return tuple((config or r["config"]) if k == "config" else r[k] for k in KEYS)
+    base = {key(r, BASELINE_OF.get(r["config"])): r for r in rows if r["method"] == "baseline"}
+    current = {key(r): r for r in rows if r["method"] == "adaloss" and r["config"] == "fp8-current"}
     out = []
     for r in rows:
-        b = base.get((r["config"], r["layout"], r["blocks"], r["program"]))
+        b = base.get(key(r, BASELINE_OF.get(r["config"])))
         if r["method"] != "adaloss" or b is None:
             continue
-        out.append({k: r[k] for k in ("config", "layout", "blocks", "program")}
-                   | {"kernels": r["kernels_run"] / b["kernels_run"],
-                      "bytes": r["kernel_bytes_run"] / b["kernel_bytes_run"],
-                      "compile": r["compile_s"] / b["compile_s"],
-                      **{f"estimate_{t}": r["estimate_ms"][t] / b["estimate_ms"][t] for t in TARGETS}})
+        total = b["kernel_bytes_run"]
+        extra = {c: v["bytes"] / total for c, v in r["attribution"].items() if c != "model"}
+        extra["model"] = (r["attribution"]["model"]["bytes"] - total) / total
+        row = {k: r[k] for k in KEYS} | {
+            "kernels": r["kernels_run"] / b["kernels_run"], "bytes": r["kernel_bytes_run"] / total,
+            "compile": r["compile_s"] / b["compile_s"],
+            "scalar_kernels": r["attribution"]["scalars"]["kernels"] / b["kernels_run"],
+            **{f"estimate_{t}": r["estimate_ms"][t] / b["estimate_ms"][t] for t in TARGETS},
+            "extra": extra}
+        cur = current.get(key(r, "fp8-current"))
+        if r["config"] == "fp8" and cur is not None:
+            row["bytes_vs_current"] = r["kernel_bytes_run"] / cur["kernel_bytes_run"]
+        out.append(row)
     return out
 
 
 def line(r: dict[str, Any]) -> str:
-    return (f"{r['config']:5s} {r['layout']:8s} {r['blocks']:3d} {r['program']:8s} "
-            f"kernels {r['kernels']:.2f}x bytes {r['bytes']:.2f}x compile {r['compile']:.2f}x "
-            f"est. H100 {r['estimate_h100']:.2f}x")
+    extra = " ".join(f"{c} {100 * v:+.1f}%" for c, v in r["extra"].items() if abs(v) >= 5e-4)
+    vs = f" vs current {r['bytes_vs_current']:.3f}x" if "bytes_vs_current" in r else ""
+    return (f"{r['width']:4s} {r['config']:11s} {r['layout']:8s} {r['blocks']:2d} {r['program']:8s} "
+            f"bytes {r['bytes']:.3f}x{vs} kernels {r['kernels']:.2f}x (scalar {r['scalar_kernels']:.2f}) "
+            f"compile {r['compile']:.2f}x est. H100 {r['estimate_h100']:.2f}x | {extra}")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--widths", nargs="+", choices=sorted(WIDTHS), default=list(WIDTHS))
+    ap.add_argument("--blocks", type=int, default=None, help="every width's depth (default: its own)")
     ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"),
                     default=["unrolled", "scanned"])
-    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--programs", nargs="+", choices=("gradient", "step"), default=["gradient", "step"])
     ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "docs" / "gpu_cost.json")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    todo = [(c, b, lay) for c in args.configs for b in args.blocks for lay in args.layouts]
-    for config, blocks, layout in tqdm(todo, desc="models"):
-        for (program, method), (fun, fargs) in programs(config, blocks, layout == "scanned").items():
-            if program not in args.programs:
+    todo = [(w, c, lay) for w in args.widths for c in args.configs for lay in args.layouts]
+    for width, config, layout in tqdm(todo, desc="models"):
+        blocks = args.blocks or WIDTHS[width]["blocks"]
+        for (program, method), (fun, fargs) in programs(width, config, blocks, layout == "scanned").items():
+            shared = method == "baseline" and BASELINE_OF.get(config) in args.configs
+            if program not in args.programs or shared:
                 continue
             prog = gp.compile_for(fun, *fargs, target="h100")
-            row = {"config": config, "layout": layout, "blocks": blocks, "program": program, "method": method,
-                   **{k: v for k, v in prog.row().items() if k not in ("converts", "second_passes")}}
-            rows.append(row)
+            rows.append({"width": width, "config": config, "layout": layout, "blocks": blocks,
+                         "program": program, "method": method,
+                         **{k: v for k, v in prog.row().items() if k not in ("converts", "second_passes")},
+                         "attribution": gp.attribute(prog.text)})
+            tqdm.write(f"{width} {config} {layout} {program} {method}: {prog.kernels_run} kernels, "
+                       f"{prog.kernel_bytes_run / 1e9:.3f} GB, {prog.compile_s:.1f} s")
     for r in rows:  # a scanned row's flops: its unrolled twin's (XLA counts a loop body once)
         twin = next((u for u in rows if u["layout"] == "unrolled"
-                     and all(u[k] == r[k] for k in ("config", "blocks", "program", "method"))), r)
+                     and all(u[k] == r[k] for k in ("width", "config", "blocks", "program", "method"))), r)
         r["estimate_flops"] = twin["flops"]
         r["estimate_ms"] = {t: estimate_ms(r, twin["flops"], t) for t in TARGETS}
     table = ratios(rows)
     for r in table:
         print(line(r))
-    args.json.write_text(json.dumps({"command": "python benchmarks/gpu_cost.py", "jax": jax.__version__,
-                                     "model": "depth LM: vocab 256, dim 128, 4 heads, seq 64, batch 8",
-                                     "target": "h100", "estimate": TARGETS, "date": time.strftime("%Y-%m-%d"),
-                                     "rows": rows, "ratios": table}, indent=1) + "\n")
+    payload = {"command": "python benchmarks/gpu_cost.py", "jax": jax.__version__, "widths": WIDTHS,
+               "baseline_of": BASELINE_OF, "target": "h100", "estimate": TARGETS,
+               "date": time.strftime("%Y-%m-%d"), "rows": rows, "ratios": table}
+    args.json.write_text(json.dumps(payload, indent=1) + "\n")
     return table
 
 
