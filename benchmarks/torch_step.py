@@ -6,7 +6,9 @@ per step (each one or more GPU kernels) and CPU step time, on HF GPT-2.
     python benchmarks/torch_step.py --models gpt2-2x128 --repeats 3 --json /tmp/torch_step.json
 
 Models (``transformers.GPT2LMHeadModel``, vocab 1000, 64 positions): ``gpt2-2x128`` (the torch
-zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M parameters). A step:
+zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M parameters); and at
+GPT-2 small's widths, ``gpt2-2x768-v32k`` (2 layers × 768, 12 heads, vocab 32768; run it with
+``--batch 4 --seq 512``). A step:
 fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler's scaled backward,
 ``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. ``AdaLossScaler, device math``: the
 scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel (on a
@@ -17,6 +19,9 @@ CPU without fp16 GEMM kernels, whose fp16 GEMMs dominate the step). ``--device c
 GPU (each step synchronized), the device check ``fuse_decisions`` has not had yet. Ops: every
 aten op dispatched in one step (a ``TorchDispatchMode`` counting them, views included, the
 backward's too; a compiled call counts as the ops it launches itself), the mean of 3 steps;
+bytes: what those ops read and write (each op its tensor arguments and results once, a view
+nothing; a compiled call its arguments and results), the machine-independent cost at widths
+where a step is bound by memory traffic;
 per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
 the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
 
@@ -44,28 +49,57 @@ from tqdm import tqdm
 import torch_bridge
 from adaloss_study.overhead import machine
 
-MODELS = {"gpt2-2x128": (2, 128), "gpt2-4x256": (4, 256), "gpt2-6x384": (6, 384)}
+#: name -> (layers, width, vocab, positions)
+MODELS = {"gpt2-2x128": (2, 128, 1000, 64), "gpt2-4x256": (4, 256, 1000, 64),
+          "gpt2-6x384": (6, 384, 1000, 64), "gpt2-2x768-v32k": (2, 768, 32768, 1024)}
 METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math", "AdaLossScaler, fused")
 
 
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in ``tree`` (lists, tuples, dicts), each distinct tensor once (a
+    sparse tensor: its indices and values)."""
+    seen: set[int] = set()
+    total = 0
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, torch.Tensor) and id(x) not in seen:
+            seen.add(id(x))
+            if x.is_sparse:
+                stack.extend([x._indices(), x._values()])
+            elif x.device.type != "meta":
+                total += x.numel() * x.element_size()
+    return total
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched while it is active (by name)."""
+    """Counts the aten ops dispatched while it is active (by name), and the bytes they move:
+    each op reads its tensor arguments and writes its tensor results once (an in-place op reads
+    and writes its tensor), a view moves nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.bytes += tensor_bytes((args, kwargs or {})) + tensor_bytes(out)
+        return out
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
-    layers, dim = MODELS[name]
+    layers, dim, vocab, positions = MODELS[name]
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=64, n_embd=dim, n_layer=layers,
-                                      n_head=4))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=dim, n_layer=layers,
+                                      n_head=max(4, dim // 64)))
 
 
 def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = torch.float16,
@@ -79,7 +113,8 @@ def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = t
     scaler = (torch.amp.GradScaler(kind) if method == "GradScaler" else
               torch_bridge.AdaLossScaler(model, config, host_math="device math" not in method,
                                          fuse_decisions=method.endswith("fused")))
-    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, MODELS[name][2], (batch, seq), generator=tokens).to(device)
 
     def step() -> None:
         with torch.autocast(kind, dtype=dtype):
@@ -95,19 +130,24 @@ def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = t
     return step, scaler
 
 
-def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Counter[str], float]:
-    """Per step: the aten ops dispatched (by name), and the calls of compiled decisions (what
+def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Counter[str], float, float]:
+    """Per step: the aten ops dispatched (by name), the calls of compiled decisions (what
     ``fuse_decisions`` runs instead of ops: no op a dispatch mode sees, each one kernel on a CPU
-    and a few on a GPU)."""
+    and a few on a GPU), and the bytes both move (a compiled call: its tensor arguments read
+    once and its results written once)."""
     fused = getattr(scaler, "_fused", None)
     calls = 0
+    moved = 0
     if fused is not None:
         run = fused._run
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            return run(*args, **kwargs)
+        def counted(fn: Any, static: Any, args: Any, **kwargs: Any) -> Any:
+            nonlocal calls, moved
+            out = run(fn, static, args, **kwargs)
+            if out is not None:  # (None: not compiled; the ops then ran under the counter)
+                calls += 1
+                moved += tensor_bytes(args) + tensor_bytes(out)
+            return out
         fused._run = counted
     try:
         with OpCounter() as c:
@@ -116,14 +156,14 @@ def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Co
     finally:
         if fused is not None:
             del fused._run
-    return Counter({k: v / steps for k, v in c.ops.items()}), calls / steps
+    return Counter({k: v / steps for k, v in c.ops.items()}), calls / steps, (c.bytes + moved) / steps
 
 
 def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: tuple[str, ...] = METHODS,
             dtype: torch.dtype = torch.float16, device: str = "cpu") -> dict[str, Any]:
     runs = {m: stepper(name, m, batch, seq, dtype, device) for m in methods}
     counted = {m: count_ops(step, scaler) for m, (step, scaler) in runs.items()}
-    ops = {m: c for m, (c, _) in counted.items()}
+    ops = {m: c for m, (c, _, _) in counted.items()}
     rounds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in tqdm(range(repeats), desc=name, leave=False):
         for m, (step, _) in runs.items():
@@ -137,7 +177,8 @@ def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: 
              for m, c in ops.items() if m != "GradScaler"}
     return {"model": name, "parameters": sum(p.numel() for p in build(name).parameters()),
             "ops": {m: sum(c.values()) for m, c in ops.items()}, "decisions": layers,
-            "compiled_calls": {m: n for m, (_, n) in counted.items() if n},
+            "compiled_calls": {m: n for m, (_, n, _) in counted.items() if n},
+            "bytes": {m: b for m, (_, _, b) in counted.items()},
             "extra_ops_top": extra,
             "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()}}
 
@@ -146,15 +187,19 @@ def table(payload: dict[str, Any]) -> str:
     """Per model and method: aten ops per step (and over GradScaler's, and beyond them per
     decision), compiled calls per step, and the median ms/step (and over GradScaler's)."""
     lines = ["| model | method | aten ops / step | ÷ GradScaler's | extra per decision "
-             "| compiled calls / step | ms/step | ÷ GradScaler's |", "|---|---|---|---|---|---|---|---|"]
+             "| compiled calls / step | MB moved / step | ÷ GradScaler's | ms/step | ÷ GradScaler's |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         o, t, calls = r["ops"], r["median_ms"], r.get("compiled_calls", {})
+        b = r.get("bytes", {})
         for i, m in enumerate(o):
             per = "" if m == "GradScaler" else f"{(o[m] - o['GradScaler']) / r['decisions']:.0f}"
             size = f"{r['parameters'] / 1e6:.1f}M, {r['decisions']} decisions"
             model = f"{r['model']} ({size})" if i == 0 else ""
+            mb = (f"{b[m] / 1e6:,.0f} | {b[m] / b['GradScaler']:.3f}" if m in b and "GradScaler" in b
+                  else " | ")
             lines.append(f"| {model} | {m} | {o[m]:.0f} | {o[m] / o['GradScaler']:.2f} | {per} "
-                         f"| {calls.get(m, 0):.0f} | {t[m]:.1f} | {t[m] / t['GradScaler']:.2f} |")
+                         f"| {calls.get(m, 0):.0f} | {mb} | {t[m]:.1f} | {t[m] / t['GradScaler']:.2f} |")
     return "\n".join(lines)
 
 

@@ -89,6 +89,25 @@ def test_torch_step_benchmark_counts_the_ops_each_scaler_dispatches(tmp_path):
     ops = row["ops"]
     assert ops["GradScaler"] < ops["AdaLossScaler"] < ops["AdaLossScaler, device math"], ops
     assert row["decisions"] > 0 and torch_step.table(out).count("\n") == 1 + len(methods)
+    assert 0 < row["bytes"]["GradScaler"] < row["bytes"]["AdaLossScaler"], row["bytes"]
+
+
+def test_the_torch_byte_counter_reads_arguments_writes_results_and_counts_no_view():
+    """``torch_step.OpCounter`` on hand-made ops: an add reads two tensors and writes one, an
+    in-place add reads two and writes one, a view moves nothing, a factory writes its result."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import torch
+    import torch_step
+
+    a, b = torch.ones(256, 4), torch.ones(256, 4)
+    n = a.numel() * a.element_size()
+    for fn, moved in ((lambda: a + b, 3 * n), (lambda: a.add_(b), 3 * n), (lambda: a.view(4, 256), 0),
+                      (lambda: a.t(), 0), (lambda: torch.zeros(256, 4, dtype=torch.float16), n // 2)):
+        with torch_step.OpCounter() as c:
+            fn()
+        assert c.bytes == moved, (c.ops, c.bytes, moved)
 
 
 def test_study_torch_framework(tmp_path, capsys):
