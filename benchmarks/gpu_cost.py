@@ -42,56 +42,18 @@ from jax_adaloss import gpu_program as gp
 gp.environment()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from depth import LM, train_steps  # noqa: E402
+from cost_programs import BASELINE_OF, CONFIGS, KEYS, WIDTHS, programs  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-
-import jax_adaloss  # noqa: E402
-from adaloss.config import AdaLossConfig  # noqa: E402
 
 #: the estimate's figures: HBM bandwidth (bytes/s), dense 16-bit tensor-core peak (flop/s), and
 #: the time a kernel takes at least, launched back to back from XLA's thunk sequence (s)
 TARGETS = {"h100": {"bandwidth": 3.35e12, "peak": 989e12, "launch": 4e-6},
            "h200": {"bandwidth": 4.8e12, "peak": 989e12, "launch": 4e-6}}
-#: gradient format -> (the LM's compute dtype, the config)
-CONFIGS = {"fp16": (jnp.float16, AdaLossConfig()),
-           "bf16": (jnp.bfloat16, AdaLossConfig(grad_format="bfloat16")),
-           "fp8": (jnp.float16, AdaLossConfig(grad_format="float8_e5m2")),
-           "fp8-current": (jnp.float16, AdaLossConfig(grad_format="float8_e5m2", fp8_rule="current"))}
-#: width -> the LM and its batch
-WIDTHS = {"toy": {"vocab": 256, "dim": 128, "heads": 4, "seq": 64, "batch": 8, "blocks": 8},
-          "gpt2": {"vocab": 32768, "dim": 768, "heads": 12, "seq": 1024, "batch": 8, "blocks": 4},
-          "1b": {"vocab": 32768, "dim": 2048, "heads": 16, "seq": 2048, "batch": 4, "blocks": 2}}
-KEYS = ("width", "config", "layout", "blocks", "program")
-#: a config whose baseline is another's (the same model: fp8-current's is fp8's)
-BASELINE_OF = {"fp8-current": "fp8"}
-
-
 def estimate_ms(row: dict[str, Any], flops: float, target: str) -> float:
     """The stated model's step time in ms (an estimate: nothing ran)."""
     t = TARGETS[target]
     seconds = row["kernel_bytes_run"] / t["bandwidth"] + flops / t["peak"] + row["kernels_run"] * t["launch"]
     return 1e3 * seconds
-
-
-def programs(width: str, config: str, blocks: int, scanned: bool
-             ) -> dict[tuple[str, str], tuple[Any, tuple[Any, ...]]]:
-    """(program, method) -> (function, its arguments: shapes only) for one model."""
-    dtype, cfg = CONFIGS[config]
-    w = WIDTHS[width]
-    model = LM(w["vocab"], w["dim"], w["heads"], blocks, scanned, dtype)
-    x = y = jax.ShapeDtypeStruct((w["batch"], w["seq"]), jnp.int32)
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(x.shape, x.dtype))
-
-    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-    vg = jax_adaloss.value_and_grad(loss, config=cfg)
-    steps = train_steps(loss, params, cfg, abstract=True)
-    return {("gradient", "adaloss"): (lambda p, x, y: vg(p, x, y, adaloss_state=None), (params, x, y)),
-            ("gradient", "baseline"): (jax.value_and_grad(loss), (params, x, y)),
-            ("step", "adaloss"): (steps["adaloss"][0], (*steps["adaloss"][1], x, y)),
-            ("step", "baseline"): (steps["dynamic"][0], (*steps["dynamic"][1], x, y))}
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

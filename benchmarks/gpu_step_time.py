@@ -1,15 +1,22 @@
-"""One prepared accelerator run: fp16 GPT of ~100M parameters, adaloss vs dynamic global scaling.
+"""One prepared accelerator run: adaloss against global scaling, timed on the device.
 
-    python benchmarks/gpu_step_time.py                 # the ~100M preset (an H200: a few minutes)
-    python benchmarks/gpu_step_time.py --preset tiny   # smoke test on CPU
+    python benchmarks/gpu_step_time.py                 # ~100M study GPT, then GPT-2/1B widths
+    python benchmarks/gpu_step_time.py --preset tiny --widths toy --blocks 1   # smoke test on CPU
     python benchmarks/gpu_step_time.py --budget-s 420  # one device run that ends in 7 minutes
 
-The study's overhead measurement (:mod:`adaloss_study.overhead`: fp16 with no
-scaling, ``jmp.DynamicLossScale`` with GradScaler's defaults, adaloss-product;
-jitted steps with backward, (un)scaling and Adam, timed alternately after a
-warm-up round that includes compilation) on the study's CharGPT at GPT-2-small
-size and random tokens. Prints and writes (``--json``) the median step times,
-their ratios, the warm-up (compile) times and the device.
+Two measurements, each timed alternately after a warm-up call that includes compilation:
+
+- the study's overhead measurement (:mod:`adaloss_study.overhead`: fp16 with no scaling,
+  ``jmp.DynamicLossScale`` with GradScaler's defaults, adaloss-product; jitted steps with
+  backward, (un)scaling and Adam) on the study's CharGPT at GPT-2-small size (``--preset``),
+  random tokens;
+- the programs whose bytes and kernels :mod:`gpu_cost` reads without a device
+  (:mod:`cost_programs`: the gradient against ``jax.value_and_grad``, the training step
+  against ``jmp.DynamicLossScale``) at ``--widths`` (default GPT-2 small's and a 1B-class
+  layer's), ``--configs``, ``--layouts``: the device's answer to its estimates.
+
+Prints and writes (``--json``) the median times, their ratios, the warm-up (compile) times and
+the device. No GPU time is claimed without this run on one.
 """
 
 from __future__ import annotations
@@ -17,11 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from cost_programs import CONFIGS, WIDTHS, programs
 
 from adaloss_study import overhead
 from adaloss_study.jax_runner import RunConfig
@@ -50,11 +60,54 @@ def random_tokens(vocab: int, cfg: RunConfig) -> Task:
     return Task("random-tokens", train, lambda seed: [], flax_model, lambda c: None)
 
 
+def time_programs(widths: list[str], configs: list[str], layouts: list[str], blocks: int | None,
+                  steps: int, repeats: int) -> list[dict[str, Any]]:
+    """Per (width, config, layout, program): adaloss's and the baseline's median ms per call,
+    timed alternately in ``repeats`` rounds of ``steps`` calls, and their first call's seconds
+    (compilation included)."""
+    rows = []
+    for width in widths:
+        for config in configs:
+            for layout in layouts:
+                depth = blocks or WIDTHS[width]["blocks"]
+                progs = programs(width, config, depth, layout == "scanned", concrete=True)
+                for program in ("gradient", "step"):
+                    runs, first = {}, {}
+                    for method in ("adaloss", "baseline"):
+                        fun, args = progs[(program, method)]
+                        f = jax.jit(fun)
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(f(*args))
+                        first[method] = time.perf_counter() - t0
+                        runs[method] = (f, args)
+                    ms: dict[str, list[float]] = {m: [] for m in runs}
+                    for _ in range(repeats):
+                        for m, (f, args) in runs.items():
+                            t0 = time.perf_counter()
+                            for _ in range(steps):
+                                out = f(*args)
+                            jax.block_until_ready(out)
+                            ms[m].append(1e3 * (time.perf_counter() - t0) / steps)
+                    med = {m: statistics.median(v) for m, v in ms.items()}
+                    rows.append({"width": width, "config": config, "layout": layout, "blocks": depth,
+                                 "program": program, "median_ms": med, "first_call_s": first,
+                                 "ratio": med["adaloss"] / med["baseline"]})
+                    print(f"{width} {config} {layout} {program}: adaloss {med['adaloss']:.2f} ms, "
+                          f"baseline {med['baseline']:.2f} ms ({rows[-1]['ratio']:.3f}x)", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="100m")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--widths", nargs="*", choices=sorted(WIDTHS), default=["gpt2", "1b"],
+                    help="the cost programs' widths to time (none: only the study's preset)")
+    ap.add_argument("--blocks", type=int, default=None, help="their depth (default: each width's)")
+    ap.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "fp8-current"],
+                    default=["fp16", "bf16"])
+    ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"), default=["unrolled"])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--budget-s", type=int, default=0,
                     help="stop with an error after this many seconds (0: no limit): a device session's "
@@ -71,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     lr=1e-4)
     result = overhead.measure("jax", cfg, random_tokens(p["vocab"], cfg), repeats=args.repeats,
                               steps=args.steps, progress=False)
+    result["programs"] = time_programs(args.widths, args.configs, args.layouts, args.blocks,
+                                       max(1, args.steps // 4), args.repeats)
     signal.alarm(0)
     result.update(preset=args.preset, backend=jax.default_backend())
     print(json.dumps(result, indent=1))
