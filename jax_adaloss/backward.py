@@ -879,7 +879,8 @@ class _Sweep:
             return wide_vjp(*node.eqn, node.diff)(out_cts)
         narrow = [_like(c, self.tape.values[s]) for c, s in zip(out_cts, node.outs)]
         if not node.wide:
-            return node.vjp(narrow)
+            dense = _take_along_transpose(node, narrow) if node.eqn[0].name == "gather" else None
+            return node.vjp(narrow) if dense is None else dense
         wide = wide_vjp(*node.eqn, node.diff)(out_cts)
         if len(node.wide) == len(node.diff):
             return wide
@@ -1301,6 +1302,38 @@ def _chains(tape: _Tape) -> tuple[set[int], set[int]]:
     nonlinear = {find(id(n)) for n in producer.values() if n.eqn[0].name in _NONLINEAR}
     dual = {k for k in root if find(k) in nonlinear and size[find(k)] > 1}
     return dual, {s for s in inside if id(producer[s]) in dual}
+
+
+def _take_along_transpose(node: _Node, cts: list[Any]) -> list[Any] | None:
+    """The operand's cotangent of a ``gather`` that takes one entry per row along one axis
+    (``jnp.take_along_axis`` with one index per row: a cross-entropy's label logit), as a dense
+    select, ``where(iota == index, g, 0)``, instead of the transpose's scatter-add into zeros;
+    ``None`` for any other gather. The same values (an index out of range matches no entry, as
+    ``FILL_OR_DROP`` drops it), but elementwise: XLA fuses it with the rest of the cotangent's
+    math, and a decision's statistics of the sum into the kernel that writes it (no reduction
+    fuses into a scatter)."""
+    _, params, vals = node.eqn
+    if node.diff != (0,) or len(vals) != 2:
+        return None
+    dn, operand, indices = params["dimension_numbers"], vals[0], vals[1]
+    shape, rank = np.shape(operand), np.ndim(operand)
+    if dn.offset_dims or len(dn.collapsed_slice_dims) != 1 or dn.start_index_map != dn.collapsed_slice_dims:
+        return None
+    (k,) = dn.collapsed_slice_dims
+    batch = tuple(d for d in range(rank) if d != k)
+    mode = params.get("mode")
+    if (tuple(dn.operand_batching_dims) != batch or tuple(dn.start_indices_batching_dims) != tuple(range(rank - 1))
+            or any(n != 1 for n in params["slice_sizes"])
+            or mode not in (jax.lax.GatherScatterMode.FILL_OR_DROP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)):
+        return None
+    rows = tuple(shape[d] for d in batch)
+    extra = np.shape(indices)[rank - 1:]
+    if extra not in ((1,), (1, 1)) or np.shape(indices)[:rank - 1] != rows or np.shape(cts[0]) != rows + extra[:-1]:
+        return None
+    index = jnp.expand_dims(jnp.reshape(indices, rows), k)
+    g = jnp.expand_dims(jnp.reshape(cts[0], rows), k)
+    hit = jax.lax.broadcasted_iota(jnp.result_type(index), shape, k) == index
+    return [jnp.where(hit, g, jnp.zeros((), jnp.result_type(g)))]
 
 
 def agree_across(cts: list[Any], scale: Any, axes: tuple[Any, ...], u_max: float) -> tuple[list[Any], Any]:

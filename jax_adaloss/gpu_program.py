@@ -487,6 +487,8 @@ def _dot_takes_fp8(comps: dict[str, list[tuple[str, str, str, str]]], types: dic
 #: writes (the optimized HLO keeps the frames JAX traced it under), checked in this order
 CATEGORIES = ("scalars", "merges", "statistics", "rescales", "model")
 _MERGE_FRAMES = frozenset(("_Sweep.merge", "_Sweep._one_scale", "_Sweep._agree", "agree_across"))
+#: what a merge does beyond the sum the model has too (parts that share a scale add as they are)
+_MERGE_WORK = frozenset(("rescale", "_stored", "_absmaxes", "statistics_of"))
 _STAT_FRAMES = frozenset(("statistics", "statistics_of", "_absmax", "_absmaxes", "log_magnitudes",
                           "magnitude_stats", "_Sweep._fit_current"))
 _RESCALE_FRAMES = frozenset(("rescale", "_rescale"))
@@ -530,7 +532,8 @@ def _frames(text: str) -> dict[int, list[str]]:
 def attribute(text: str) -> dict[str, dict[str, int]]:
     """Kernels launched per run and the bytes they move, per category of :data:`CATEGORIES`:
     ``scalars`` (every result a few bytes: decisions, copies of scalar outputs), ``merges``
-    (contributions brought to one scale and summed: their max passes, rescales, stored sums),
+    (contributions brought to one scale and summed: their max passes, rescales, stored sums; a
+    sum of parts that share a scale is the model's),
     ``statistics`` (reductions a decision reads), ``rescales`` (a cotangent multiplied by a
     decided scale on its own), ``model`` (the differentiated function's own backward: the
     kernels a plain ``jax.value_and_grad`` has too, with what rides in them). A kernel counts in
@@ -551,7 +554,7 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
         read = sum(_array_bytes(shapes.get(o, "")) for o in operands)
         if max(sizes) <= _SCALAR_OUT and read <= _SCALAR_READ:
             return "scalars"
-        target = name
+        target, body = name, {}
         if op == "fusion":
             called = re.search(r"calls=%([\w.\-]+)", rest)
             body = {n: (o, r) for n, _, o, r in comps.get(called.group(1), ())} if called else {}
@@ -565,8 +568,10 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
                 target = max(args, key=lambda a: _array_bytes(shapes.get(a, "")))
                 seen += 1
         stack = frames.get(frame_of.get(target, frame_of.get(name, -1)), [])
-        if _MERGE_FRAMES.intersection(stack):
-            return "merges"
+        if _MERGE_FRAMES.intersection(stack):  # a rescaled sum, its max pass, or a plain sum
+            inside = [frames.get(frame_of.get(n, -1), []) for n in body] if op == "fusion" else [stack]
+            rescaled = any(_MERGE_FRAMES.intersection(st) and _MERGE_WORK.intersection(st) for st in inside)
+            return "merges" if rescaled else "model"
         if _STAT_FRAMES.intersection(stack):
             return "statistics"
         if _RESCALE_FRAMES.intersection(stack) and not _MODEL_FRAMES.intersection(stack):

@@ -104,3 +104,22 @@ def test_peaked_fp16_attention_keeps_its_query_and_key_gradients_with_no_decisio
         assert err(plain, name) > 0.2 and err(jax_adaloss.unscale_tree(scaled), name) < 0.01, name
     # one cast decides: the logits' (the loss's fp32 math); the softmax sum's narrows exactly
     assert [k for k in report.layers if k.startswith("cast:")] == ["cast:1"], list(report.layers)
+
+
+def test_a_take_along_axis_cotangent_is_jax_grads_with_indices_out_of_range_dropped():
+    """The cotangent of ``jnp.take_along_axis`` with one index per row (a cross-entropy's label
+    logit) is computed as a dense select, not a scatter-add: the same gradient as
+    ``jax.grad``'s, a negative index taken from the end, one out of range dropped."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(0, 1, (16, 7)), jnp.float32)
+    x = jnp.asarray(rng.normal(0, 1, (2, 5, 16)), jnp.float32)
+    r = jnp.asarray(rng.normal(0, 1, (2, 5)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 7, (2, 5)), jnp.int32).at[0, 0].set(7).at[1, 2].set(-9).at[1, 3].set(-1)
+
+    def loss(w, x):
+        logits = x @ w
+        picked = jnp.take_along_axis(logits, idx[..., None], axis=-1, fill_value=0.0)[..., 0]
+        return jnp.sum(picked * r) + 1e-2 * jnp.sum(jnp.exp(logits))
+    got = jax_adaloss.unscale_tree(jax.jit(jax_adaloss.grad(loss))(w, x))
+    ref = jax.jit(jax.grad(loss))(w, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
