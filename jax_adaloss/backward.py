@@ -1321,14 +1321,15 @@ def _take_along_transpose(node: _Node, cts: list[Any]) -> list[Any] | None:
         return None
     (k,) = dn.collapsed_slice_dims
     batch = tuple(d for d in range(rank) if d != k)
-    mode = params.get("mode")
-    if (tuple(dn.operand_batching_dims) != batch or tuple(dn.start_indices_batching_dims) != tuple(range(rank - 1))
-            or any(n != 1 for n in params["slice_sizes"])
-            or mode not in (jax.lax.GatherScatterMode.FILL_OR_DROP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)):
+    modes = (jax.lax.GatherScatterMode.FILL_OR_DROP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    if (tuple(dn.operand_batching_dims) != batch
+            or tuple(dn.start_indices_batching_dims) != tuple(range(rank - 1))
+            or any(n != 1 for n in params["slice_sizes"]) or params.get("mode") not in modes):
         return None
     rows = tuple(shape[d] for d in batch)
     extra = np.shape(indices)[rank - 1:]
-    if extra not in ((1,), (1, 1)) or np.shape(indices)[:rank - 1] != rows or np.shape(cts[0]) != rows + extra[:-1]:
+    if (extra not in ((1,), (1, 1)) or np.shape(indices)[:rank - 1] != rows
+            or np.shape(cts[0]) != rows + extra[:-1]):
         return None
     index = jnp.expand_dims(jnp.reshape(indices, rows), k)
     g = jnp.expand_dims(jnp.reshape(cts[0], rows), k)
