@@ -529,7 +529,7 @@ def _frames(text: str) -> dict[int, list[str]]:
     return out
 
 
-def attribute(text: str) -> dict[str, dict[str, int]]:
+def attribute(text: str, kernels: list[tuple[str, str, int]] | None = None) -> dict[str, dict[str, int]]:
     """Kernels launched per run and the bytes they move, per category of :data:`CATEGORIES`:
     ``scalars`` (every result a few bytes: decisions, copies of scalar outputs), ``merges``
     (contributions brought to one scale and summed: their max passes, rescales, stored sums; a
@@ -538,7 +538,8 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
     decided scale on its own), ``model`` (the differentiated function's own backward: the
     kernels a plain ``jax.value_and_grad`` has too, with what rides in them). A kernel counts in
     the category of its largest result. The categories sum to ``kernels_run`` and
-    ``kernel_bytes_run``."""
+    ``kernel_bytes_run``. ``kernels``, if given, receives ``(kernel, category, bytes)`` of each
+    kernel (a loop body's once)."""
     comps, fused, shapes, entry = _parse(text)
     frames = _frames(text)
     frame_of: dict[str, int] = {}
@@ -554,6 +555,8 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
         read = sum(_array_bytes(shapes.get(o, "")) for o in operands)
         if max(sizes) <= _SCALAR_OUT and read <= _SCALAR_READ:
             return "scalars"
+        if _is_gemm(op, rest):  # (an epilogue may hold a rescale: the GEMM is the model's)
+            return "model"
         target, body = name, {}
         if op == "fusion":
             called = re.search(r"calls=%([\w.\-]+)", rest)
@@ -590,7 +593,10 @@ def attribute(text: str) -> dict[str, dict[str, int]]:
             called = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
             moved = _moved(comps, shapes, operands, name, called.group(1) if called else None,
                            workspace=gemm and op == "custom-call")
-            counts = own.setdefault(category(name, op, rest), {}).setdefault(comp, [0, 0])
+            cat = category(name, op, rest)
+            if kernels is not None:
+                kernels.append((name, cat, moved))
+            counts = own.setdefault(cat, {}).setdefault(comp, [0, 0])
             counts[0] += 1
             counts[1] += moved
     out = {}
