@@ -61,7 +61,8 @@ def random_tokens(vocab: int, cfg: RunConfig) -> Task:
 
 
 def time_programs(widths: list[str], configs: list[str], layouts: list[str], blocks: int | None,
-                  steps: int, repeats: int) -> list[dict[str, Any]]:
+                  steps: int, repeats: int, which: tuple[str, ...] = ("gradient", "step")
+                  ) -> list[dict[str, Any]]:
     """Per (width, config, layout, program): adaloss's and the baseline's median ms per call,
     timed alternately in ``repeats`` rounds of ``steps`` calls, and their first call's seconds
     (compilation included)."""
@@ -71,7 +72,7 @@ def time_programs(widths: list[str], configs: list[str], layouts: list[str], blo
             for layout in layouts:
                 depth = blocks or WIDTHS[width]["blocks"]
                 progs = programs(width, config, depth, layout == "scanned", concrete=True)
-                for program in ("gradient", "step"):
+                for program in which:
                     runs, first = {}, {}
                     for method in ("adaloss", "baseline"):
                         fun, args = progs[(program, method)]
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--configs", nargs="+", choices=[c for c in CONFIGS if c != "fp8-current"],
                     default=["fp16", "bf16"])
     ap.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"), default=["unrolled"])
+    ap.add_argument("--programs", nargs="+", choices=("gradient", "step"), default=["gradient", "step"])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--budget-s", type=int, default=0,
                     help="stop with an error after this many seconds (0: no limit): a device session's "
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = overhead.measure("jax", cfg, random_tokens(p["vocab"], cfg), repeats=args.repeats,
                               steps=args.steps, progress=False)
     result["programs"] = time_programs(args.widths, args.configs, args.layouts, args.blocks,
-                                       max(1, args.steps // 4), args.repeats)
+                                       max(1, args.steps // 4), args.repeats, tuple(args.programs))
     signal.alarm(0)
     result.update(preset=args.preset, backend=jax.default_backend())
     print(json.dumps(result, indent=1))

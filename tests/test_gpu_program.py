@@ -4,6 +4,8 @@ quantized layer is an FP8 GEMM, at least as many as flax's ``Fp8DotGeneralOp`` g
 folds a cast to fp8 and back to 16 bits away where it may (``xla_allow_excess_precision``):
 the first test shows the reader sees it."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,9 @@ class _MLP(nn.Module):
         return nn.Dense(16, dtype=jnp.bfloat16, **kw)(x)
 
 
+@functools.cache
 def _compiled(config=None, fp8=False, pipeline="triton"):
+    """The program of :func:`_step` (compiled once per arguments: tests share them)."""
     fun, args = _step(config, fp8)
     return gp.compile_for(fun, *args, pipeline=pipeline)
 
