@@ -205,6 +205,16 @@ def torch_ops_summary(docs: Path) -> list[str]:
             per.append(cell)
         out.append(f"- **torch, the same models, step time with bf16 autocast** (`{bf16['command']}`, "
                    f"`{bf16['machine']}`), ÷ `torch.amp.GradScaler`'s: {', '.join(per)}.")
+    if (docs / "torch_step_gpt2.json").exists():  # the widths people train: bytes decide
+        wide = _json(docs, "torch_step_gpt2.json")
+        for r in wide["rows"]:
+            b, t = r["bytes"], r["median_ms"]
+            cells = [f"{m} {b[m] / b['GradScaler']:.2f}× the bytes, {t[m] / t['GradScaler']:.2f}× the time"
+                     for m in b if m != "GradScaler"]
+            out.append(f"- **torch at GPT-2 small's widths, {r['model']}** (`{wide['command']}`, "
+                       f"`{wide['machine']}`; bytes: what the step's aten ops and compiled calls read and "
+                       f"write, {b['GradScaler'] / 1e9:.1f} GB for `torch.amp.GradScaler`): "
+                       + "; ".join(cells) + ".")
     return out
 
 
