@@ -738,14 +738,12 @@ class _Sweep:
             # wherever the sum is finite (a sum beyond fp32's range skips the step, as any
             # non-finite gradient does), without a pass over each part for its max
             target = self._settle(functools.reduce(jnp.maximum, [jnp.asarray(p[1], _F32) for p in parts]))
-            self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
-            self._fit(target)
-            return _sum([_rescale(ct, target / s) for ct, s in parts]), target
-        absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
-        if self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
+        elif self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
+            absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
             target = self._settle(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
                                                          self.backoff))
         else:
+            absmax = _absmaxes([p[0] for p in parts])
             target = self._settle(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
         self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
         self._fit(target)

@@ -550,7 +550,7 @@ def attribute(text: str, kernels: list[tuple[str, str, int]] | None = None) -> d
     root_names = {m.group(1) for m in re.finditer(r"^\s+ROOT %(\S+) = ", text, re.MULTILINE)}
 
     def category(name: str, op: str, rest: str) -> str:
-        sizes = [_array_bytes(s) for s in _ARRAY_SHAPES.findall(shapes.get(name, ""))] or [0]
+        sizes = [_array_bytes(f"{d}[{dims}]") for d, dims in _ARRAY.findall(shapes.get(name, ""))] or [0]
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
         read = sum(_array_bytes(shapes.get(o, "")) for o in operands)
         if max(sizes) <= _SCALAR_OUT and read <= _SCALAR_READ:
@@ -605,5 +605,3 @@ def attribute(text: str, kernels: list[tuple[str, str, int]] | None = None) -> d
         out[cat] = {"kernels": k, "bytes": b}
     return out
 
-
-_ARRAY_SHAPES = re.compile(r"\w+\[[\d,]*\]")

@@ -86,6 +86,24 @@ def _inject_at(model, scaler, i):
         _inject(model)
 
 
+def _one_step(loss, model, optimizer, scaler, i, scaled, max_norm=None, after_backward=None,
+              before_step=None):
+    """One iteration of either loop: the control's (:func:`_control_step`), or the scaled
+    backward, ``after_backward()``, the inf written at the skipped iteration, ``before_step()``,
+    then the scaler's step and update."""
+    if not scaled:
+        _control_step(loss, model, optimizer, scaler, i, max_norm)
+        return
+    scaler.scale(loss).backward()
+    if after_backward is not None:
+        after_backward()
+    _inject_at(model, scaler, i)
+    if before_step is not None:
+        before_step()
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def _skipped(scaler) -> int:
     if isinstance(scaler, AdaLossScaler):
         return scaler.skipped_steps
@@ -298,14 +316,8 @@ def test_autocast_training_pickled_after_every_update_or_not(kind, opt_ctor, imp
                 optimizer.zero_grad()
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = _MSE(model(x), y)
-                if not scaled:
-                    _control_step(loss, model, optimizer, scaler, i)
-                    continue
-                scaler.scale(loss).backward()
-                _inject_at(model, scaler, i)
-                scaler.step(optimizer)
-                scaler.update()
-                if pickle_it:
+                _one_step(loss, model, optimizer, scaler, i, scaled)
+                if scaled and pickle_it:
                     scaler = pickle.loads(pickle.dumps(scaler))
             return scaler
 
@@ -364,14 +376,8 @@ def test_clipping_at_max_norm_times_get_scale(kind):
         for i, (x, y) in enumerate(data):
             optimizer.zero_grad()
             loss = _MSE(model(x), y)
-            if not scaled:
-                _control_step(loss, model, optimizer, scaler, i, max_norm)
-                continue
-            scaler.scale(loss).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
-            _inject_at(model, scaler, i)
-            scaler.step(optimizer)
-            scaler.update()
+            _one_step(loss, model, optimizer, scaler, i, scaled, max_norm, after_backward=lambda: (
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())))
 
     _run_case(kind, run, 3, 1, atol=1e-5)
 
@@ -383,15 +389,10 @@ def test_clipping_after_a_separate_unscale(kind):
         for i, (x, y) in enumerate(data):
             optimizer.zero_grad()
             loss = _MSE(model(x), y)
-            if not scaled:
-                _control_step(loss, model, optimizer, scaler, i, max_norm)
-                continue
-            scaler.scale(loss).backward()
-            _inject_at(model, scaler, i)
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
-            scaler.step(optimizer)
-            scaler.update()
+            def unscale_and_clip():
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
+            _one_step(loss, model, optimizer, scaler, i, scaled, max_norm, before_step=unscale_and_clip)
 
     _run_case(kind, run, 3, 1)
 
@@ -413,13 +414,7 @@ def test_gradient_penalty_through_a_double_backward(kind):
             else:
                 grads = torch.autograd.grad(loss, params, create_graph=True)
             loss = loss + torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
-            if not scaled:
-                _control_step(loss, model, optimizer, scaler, i)
-                continue
-            scaler.scale(loss).backward()
-            _inject_at(model, scaler, i)
-            scaler.step(optimizer)
-            scaler.update()
+            _one_step(loss, model, optimizer, scaler, i, scaled)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -514,14 +509,8 @@ def test_optimizers_that_support_amp_scaling_step_on_true_gradients(kind):
         for i, (x, y) in enumerate(data):
             optimizer.zero_grad()
             loss = _MSE(model(x), y)
-            if not scaled:
-                _control_step(loss, model, optimizer, scaler, i)
-                continue
-            scaler.scale(loss).backward()
-            _inject_at(model, scaler, i)
-            scaler.step(optimizer)
-            scaler.update()
-            assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+            _one_step(loss, model, optimizer, scaler, i, scaled)
+            assert not scaled or not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
 
     _run_case(kind, run, 3, 1, opt_ctor=_AmpAwareSGD)
 
