@@ -168,13 +168,16 @@ def cost(docs: Path) -> str:
     return "\n".join(lines)
 
 
-#: ``benchmarks/torch_step.py``'s method with ``fuse_decisions=True``
-FUSED = "AdaLossScaler, fused"
+#: ``benchmarks/torch_step.py``'s methods: the default (its decisions compiled once the shapes
+#: hold) and op by op (``fuse_decisions=False``) on host scalars and on device tensors
+DEFAULT, HOST, DEVICE = "AdaLossScaler", "AdaLossScaler, op by op", "AdaLossScaler, device math"
 
 
 def torch_ops_summary(docs: Path) -> list[str]:
     """The aten ops a PyTorch training step dispatches (each one or more GPU kernels),
-    ``AdaLossScaler`` against ``torch.amp.GradScaler`` (``docs/torch_step.json``)."""
+    ``AdaLossScaler`` against ``torch.amp.GradScaler`` (``docs/torch_step.json``), the step
+    time with bf16 autocast (``docs/torch_step_bf16.json``) and the bytes and time at GPT-2
+    small's widths (``docs/torch_step_gpt2.json``)."""
     payload = _json(docs, "torch_step.json")
     rows = payload["rows"]
 
@@ -184,37 +187,46 @@ def torch_ops_summary(docs: Path) -> list[str]:
         return f"{lo}×" if lo == hi else f"{lo}-{hi}×"
     names = f"{rows[0]['model']} to {rows[-1]['model']}" if len(rows) > 1 else rows[0]["model"]
     dtype = payload.get("dtype", "float16")
-    out = [f"- **torch, HF {names}, aten ops per training step** (`{payload['command']}`, "
-           f"{dtype}; each op is one or more kernels on a GPU): decisions on device tensors "
-           f"{span('AdaLossScaler, device math')} `torch.amp.GradScaler`'s"]
-    if all(FUSED in r["ops"] for r in rows):
-        calls = sorted({f"{r['compiled_calls'][FUSED] / r['decisions']:.1f}" for r in rows}, key=float)
+    parts = []
+    if all(DEFAULT in r["ops"] for r in rows):
+        calls = sorted({f"{r['compiled_calls'].get(DEFAULT, 0) / r['decisions']:.1f}" for r in rows},
+                       key=float)
         per = "-".join(calls[::len(calls) - 1] if len(calls) > 1 else calls)
-        out[0] += (f", compiled (`fuse_decisions=True`: a call per layer, cast and merge, one for the "
-                   f"weights) {span(FUSED)} plus {per} compiled calls per layer or cast (one kernel each on "
-                   "a CPU, a few on a GPU)")
-    out[0] += f"; on host scalars (a CPU's default) {span('AdaLossScaler')}."
+        parts.append(f"the default, its decisions compiled once the shapes hold (a call per layer, cast "
+                     f"and merge, one for the weights), {span(DEFAULT)} plus {per} compiled calls per "
+                     "layer or cast (one kernel each on a CPU, a few on a GPU)")
+    if all(HOST in r["ops"] for r in rows):
+        parts.append(f"op by op on host scalars (a CPU's path until the shapes hold, or where they "
+                     f"vary) {span(HOST)}")
+    if all(DEVICE in r["ops"] for r in rows):
+        parts.append(f"op by op on device tensors (a GPU's) {span(DEVICE)}")
+    out = [f"- **torch, HF {names}, aten ops per training step** (`{payload['command']}`, "
+           f"{dtype}; each op is one or more kernels on a GPU), ÷ `torch.amp.GradScaler`'s: "
+           + "; ".join(parts) + "."]
     if (docs / "torch_step_bf16.json").exists():  # bf16 GEMMs: fast on a CPU, as fp16's are on a GPU
         bf16 = _json(docs, "torch_step_bf16.json")
-        per = []
+        cells = []
         for r in bf16["rows"]:
             t = r["median_ms"]
-            cell = f"{r['model']} {t['AdaLossScaler'] / t['GradScaler']:.2f}×"
-            if FUSED in t:
-                cell += f" ({t[FUSED] / t['GradScaler']:.2f}× compiled)"
-            per.append(cell)
+            cells.append(f"{r['model']} " + ", ".join(f"{t[m] / t['GradScaler']:.2f}× {label}" for m, label in
+                                                      ((DEFAULT, "default"), (HOST, "op by op")) if m in t))
         out.append(f"- **torch, the same models, step time with bf16 autocast** (`{bf16['command']}`, "
-                   f"`{bf16['machine']}`), ÷ `torch.amp.GradScaler`'s: {', '.join(per)}.")
+                   f"`{bf16['machine']}`), ÷ `torch.amp.GradScaler`'s: {'; '.join(cells)}.")
     if (docs / "torch_step_gpt2.json").exists():  # the widths people train: bytes decide
         wide = _json(docs, "torch_step_gpt2.json")
         for r in wide["rows"]:
-            b, t = r["bytes"], r["median_ms"]
-            cells = [f"{m} {b[m] / b['GradScaler']:.2f}× the bytes, {t[m] / t['GradScaler']:.2f}× the time"
-                     for m in b if m != "GradScaler"]
-            out.append(f"- **torch at GPT-2 small's widths, {r['model']}** (`{wide['command']}`, "
-                       f"`{wide['machine']}`; bytes: what the step's aten ops and compiled calls read and "
-                       f"write, {b['GradScaler'] / 1e9:.1f} GB for `torch.amp.GradScaler`): "
-                       + "; ".join(cells) + ".")
+            b, t, warm = r["bytes"], r["median_ms"], r.get("warmup_ms", {})
+            label = {DEFAULT: "the default (its decisions compiled)", HOST: "op by op on host scalars",
+                     DEVICE: "op by op on device tensors"}
+            cells = [f"{label.get(m, m)} {b[m] / b['GradScaler']:.2f}× the bytes, "
+                     f"{t[m] / t['GradScaler']:.2f}× the time" for m in b if m != "GradScaler"]
+            line = (f"- **torch at GPT-2 small's widths, {r['model']}** (`{wide['command']}`, "
+                    f"`{wide['machine']}`; bytes: what the step's aten ops and compiled calls read and "
+                    f"write, {b['GradScaler'] / 1e9:.1f} GB for `torch.amp.GradScaler`): " + "; ".join(cells))
+            if DEFAULT in warm:
+                line += (f"; the default's slowest warm-up step (the one that compiles its decisions) "
+                         f"{max(warm[DEFAULT]) / 1e3:.1f} s, against {t[DEFAULT] / 1e3:.1f} s a step after")
+            out.append(line + ".")
     return out
 
 

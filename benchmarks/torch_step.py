@@ -7,16 +7,20 @@ per step (each one or more GPU kernels) and CPU step time, on HF GPT-2.
 
 Models (``transformers.GPT2LMHeadModel``, vocab 1000, 64 positions): ``gpt2-2x128`` (the torch
 zoo's ``hf-gpt2``: 2 layers × 128), ``gpt2-4x256`` and ``gpt2-6x384`` (≥ 1M parameters); and at
-GPT-2 small's widths, ``gpt2-2x768-v32k`` (2 layers × 768, 12 heads, vocab 32768; run it with
-``--batch 4 --seq 512``). A step:
+GPT-2 small's widths, ``gpt2-2x768-v32k`` (2 layers × 768, 12 heads, vocab 32768: the
+vocabulary's tensors weigh most) and ``gpt2-12x768-v32k`` (GPT-2 small's 12 layers); run them
+with ``--batch 4 --seq 512``. A step:
 fp16 autocast forward on a batch of ``--batch`` × ``--seq`` tokens, the scaler's scaled backward,
-``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. ``AdaLossScaler, device math``: the
-scalar decisions on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel (on a
-CPU the default computes them on NumPy scalars); ``AdaLossScaler, fused``:
-``fuse_decisions=True`` (each decision, its statistics, math and rescale, one inductor-compiled
-call; compiled in the warm-up steps). ``--dtype bfloat16``: bf16 autocast and gradients (on a
-CPU without fp16 GEMM kernels, whose fp16 GEMMs dominate the step). ``--device cuda``: on a
-GPU (each step synchronized), the device check ``fuse_decisions`` has not had yet. Ops: every
+``scaler.step(AdamW)``, ``scaler.update()``, ``zero_grad``. ``AdaLossScaler``: the default
+(``fuse_decisions="auto"``: each decision, its statistics, math and rescale, one
+inductor-compiled call once ``STEADY_AFTER`` backwards met the same shapes; warmed up past
+that, each warm-up step's time kept: the step that compiles is the first-run cost);
+``AdaLossScaler, op by op``: ``fuse_decisions=False``, the scalar decisions on NumPy scalars (a
+CPU's path before the shapes hold, or where they vary); ``AdaLossScaler, device math``: op by op
+on 0-d tensors (``host_math=False``), as on a GPU, where each is a kernel. ``--dtype
+bfloat16``: bf16 autocast and gradients (on a CPU without fp16 GEMM kernels, whose fp16 GEMMs
+dominate the step). ``--device cuda``: on a
+GPU (each step synchronized), the device check the compiled decisions have not had yet. Ops: every
 aten op dispatched in one step (a ``TorchDispatchMode`` counting them, views included, the
 backward's too; a compiled call counts as the ops it launches itself), the mean of 3 steps;
 bytes: what those ops read and write (each op its tensor arguments and results once, a view
@@ -51,8 +55,9 @@ from adaloss_study.overhead import machine
 
 #: name -> (layers, width, vocab, positions)
 MODELS = {"gpt2-2x128": (2, 128, 1000, 64), "gpt2-4x256": (4, 256, 1000, 64),
-          "gpt2-6x384": (6, 384, 1000, 64), "gpt2-2x768-v32k": (2, 768, 32768, 1024)}
-METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, device math", "AdaLossScaler, fused")
+          "gpt2-6x384": (6, 384, 1000, 64), "gpt2-2x768-v32k": (2, 768, 32768, 1024),
+          "gpt2-12x768-v32k": (12, 768, 32768, 1024)}
+METHODS = ("GradScaler", "AdaLossScaler", "AdaLossScaler, op by op", "AdaLossScaler, device math")
 
 
 def tensor_bytes(tree: Any) -> int:
@@ -103,16 +108,18 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = torch.float16,
-            device: str = "cpu") -> tuple[Callable[[], None], Any]:
-    """One training step of ``method`` on a fresh copy of the model on ``device``, and its
-    scaler; the step returns once the device has finished it."""
+            device: str = "cpu") -> tuple[Callable[[], None], Any, list[float]]:
+    """One training step of ``method`` on a fresh copy of the model on ``device``, its scaler,
+    and the ms of each warm-up step (the scaler's plan, the optimizer's state, and for the
+    default the steps before and at which its decisions compile); the step returns once the
+    device has finished it."""
     model = build(name).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     config = torch_bridge.AdaLossConfig(grad_format=str(dtype).removeprefix("torch."))
     kind = torch.device(device).type
     scaler = (torch.amp.GradScaler(kind) if method == "GradScaler" else
               torch_bridge.AdaLossScaler(model, config, host_math="device math" not in method,
-                                         fuse_decisions=method.endswith("fused")))
+                                         **({} if method == "AdaLossScaler" else {"fuse_decisions": False})))
     tokens = torch.Generator().manual_seed(0)
     ids = torch.randint(0, MODELS[name][2], (batch, seq), generator=tokens).to(device)
 
@@ -125,9 +132,14 @@ def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = t
         opt.zero_grad(set_to_none=True)
         if kind == "cuda":
             torch.cuda.synchronize()
-    for _ in range(2):  # warm-up: the scaler's plan, the optimizer's state
+    fused = getattr(scaler, "_fused", None)
+    warmup = []
+    for _ in range(2 + (fused.steady_after if fused is not None else 0)):
+        t0 = time.perf_counter()
         step()
-    return step, scaler
+        warmup.append(1e3 * (time.perf_counter() - t0))
+    assert fused is None or scaler._fusing, "the default scaler did not compile its decisions"
+    return step, scaler, warmup
 
 
 def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Counter[str], float, float]:
@@ -161,7 +173,8 @@ def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Co
 
 def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: tuple[str, ...] = METHODS,
             dtype: torch.dtype = torch.float16, device: str = "cpu") -> dict[str, Any]:
-    runs = {m: stepper(name, m, batch, seq, dtype, device) for m in methods}
+    made = {m: stepper(name, m, batch, seq, dtype, device) for m in methods}
+    runs = {m: (step, scaler) for m, (step, scaler, _) in made.items()}
     counted = {m: count_ops(step, scaler) for m, (step, scaler) in runs.items()}
     ops = {m: c for m, (c, _, _) in counted.items()}
     rounds: dict[str, list[float]] = {m: [] for m in methods}
@@ -180,26 +193,31 @@ def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: 
             "compiled_calls": {m: n for m, (_, n, _) in counted.items() if n},
             "bytes": {m: b for m, (_, _, b) in counted.items()},
             "extra_ops_top": extra,
-            "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()}}
+            "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()},
+            "warmup_ms": {m: w for m, (_, _, w) in made.items()}}
 
 
 def table(payload: dict[str, Any]) -> str:
     """Per model and method: aten ops per step (and over GradScaler's, and beyond them per
-    decision), compiled calls per step, and the median ms/step (and over GradScaler's)."""
+    decision), compiled calls per step, the bytes moved, the median ms/step (and over
+    GradScaler's), and the slowest warm-up step (the default's: the one that compiles)."""
     lines = ["| model | method | aten ops / step | ÷ GradScaler's | extra per decision "
-             "| compiled calls / step | MB moved / step | ÷ GradScaler's | ms/step | ÷ GradScaler's |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| compiled calls / step | MB moved / step | ÷ GradScaler's | ms/step | ÷ GradScaler's "
+             "| slowest warm-up step, s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         o, t, calls = r["ops"], r["median_ms"], r.get("compiled_calls", {})
-        b = r.get("bytes", {})
+        b, warm = r.get("bytes", {}), r.get("warmup_ms", {})
         for i, m in enumerate(o):
             per = "" if m == "GradScaler" else f"{(o[m] - o['GradScaler']) / r['decisions']:.0f}"
             size = f"{r['parameters'] / 1e6:.1f}M, {r['decisions']} decisions"
             model = f"{r['model']} ({size})" if i == 0 else ""
             mb = (f"{b[m] / 1e6:,.0f} | {b[m] / b['GradScaler']:.3f}" if m in b and "GradScaler" in b
                   else " | ")
+            slowest = f"{max(warm[m]) / 1e3:.1f}" if m in warm else ""
             lines.append(f"| {model} | {m} | {o[m]:.0f} | {o[m] / o['GradScaler']:.2f} | {per} "
-                         f"| {calls.get(m, 0):.0f} | {mb} | {t[m]:.1f} | {t[m] / t['GradScaler']:.2f} |")
+                         f"| {calls.get(m, 0):.0f} | {mb} | {t[m]:.1f} | {t[m] / t['GradScaler']:.2f} "
+                         f"| {slowest} |")
     return "\n".join(lines)
 
 

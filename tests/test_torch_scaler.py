@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_models import MLP, make_case, xent
 
 from torch_bridge import AdaLossConfig, AdaLossScaler, _xp, decisions
+from torch_bridge import scaler as scaler_module
 from torch_bridge.fused import FusedMath
 
 
@@ -328,6 +329,72 @@ def test_fused_decisions_beyond_max_shapes_warn_and_run_op_by_op():
         (scales, grads), (plain_scales, plain_grads) = seen
         assert scales == plain_scales and any(v != 1.0 for v in scales.values())
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def _steps_beside_unfused(fused, batches):
+    """Train ``make_case("gpt")`` one step per row count in ``batches`` with
+    ``fuse_decisions=fused`` and, alongside, an unfused scaler (device math op by op); per step:
+    whether the fused scaler's backward ran its decisions compiled, and the warnings it gave.
+    Asserts that both decided the same scales and gradients at every step."""
+    runs = []
+    for fuse in (fused, False):
+        model, x, y = make_case("gpt")
+        runs.append((model, AdaLossScaler(model, host_math=False, fuse_decisions=fuse),
+                     torch.optim.SGD(model.parameters(), 0.1)))
+    fusing, said = [], []
+    for rows in batches:
+        seen = []
+        for model, scaler, opt in runs:
+            x, y = make_case("gpt")[1:]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = scaler.scale(1e-4 * xent(model(x[:rows]), y[:rows]))
+                loss.backward()
+                scaler.step(opt)
+                scaler.update()
+            if scaler is runs[0][1]:
+                fusing.append(scaler._fusing)
+                said.append([str(w.message) for w in caught if "fuse_decisions" in str(w.message)])
+            seen.append(({k: float(r.scale) for k, r in scaler.layer_reports().items()},
+                         [p.grad.clone() for p in model.parameters()]))
+            opt.zero_grad()
+        (scales, grads), (plain_scales, plain_grads) = seen
+        assert scales == plain_scales and any(v != 1.0 for v in scales.values())
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    return fusing, said
+
+
+def test_default_fusion_waits_for_backwards_whose_shapes_hold():
+    """``fuse_decisions="auto"`` (the default): decisions run op by op until
+    ``steady_after`` backwards in a row met them with the same shapes, then compiled; a change
+    of shapes goes back to op by op until they hold again; the scales and gradients are those
+    of an unfused scaler trained alongside at every step."""
+    default = AdaLossScaler(MLP())._fused
+    assert (default.backend, default.steady_after) == ("inductor", scaler_module.STEADY_AFTER)
+    assert scaler_module.STEADY_AFTER >= 10  # a test or a short run never compiles
+    fused = FusedMath("eager", steady_after=2)
+    fusing, said = _steps_beside_unfused(fused, (8, 8, 8, 5, 8, 8, 8))
+    assert fusing == [False, False, True, True, False, False, True]
+    assert len(fused) > 0 and not any(said)
+
+
+def test_fused_decisions_where_the_backend_cannot_compile_warn_once_and_run_op_by_op(monkeypatch):
+    """Where inductor raises (no C++ compiler, a device it has no code generator for), the
+    scaler warns once, naming the error and the remedy, and decides op by op from then on:
+    the same scales and gradients as an unfused scaler."""
+    from torch import _inductor
+
+    def cannot(*args, **kwargs):
+        raise RuntimeError("Compiler: cc is not found.\nmore")
+    monkeypatch.setattr(_inductor, "compile", cannot)
+    fused = FusedMath("inductor")
+    fusing, said = _steps_beside_unfused(fused, (8, 8, 8))
+    assert fusing == [True, False, False]
+    assert [len(s) for s in said] == [1, 0, 0]
+    assert "could not compile" in said[0][0] and "cc is not found" in said[0][0]
+    assert "fuse_decisions=False" in said[0][0] and "more" not in said[0][0]
+    assert fused.failed is not None and len(fused) == 0
 
 
 def test_fused_update_moves_the_backoff_and_lifts_as_the_op_by_op_one():

@@ -50,14 +50,19 @@ class FusedMath:
         op by op: the same ops as the function's own).
       max_shapes: how many shapes of its tensors one decision compiles for, over steps (as
         ``torch._dynamo.config.recompile_limit``); beyond them :meth:`call` returns ``None``.
+      steady_after: backwards in a row whose decisions meet the same shapes before the scaler
+        runs them compiled (0: from the first backward).
     """
 
-    def __init__(self, backend: str = "inductor", max_shapes: int = 8) -> None:
+    def __init__(self, backend: str = "inductor", max_shapes: int = 8, steady_after: int = 0) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
-            raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
-        self.backend, self.max_shapes = backend, max_shapes
+        for name, value, least in (("max_shapes", max_shapes, 1), ("steady_after", steady_after, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        self.backend, self.max_shapes, self.steady_after = backend, max_shapes, steady_after
+        #: why the backend could not compile here (then nothing compiles), or None
+        self.failed: str | None = None
         # key -> (compiled graph, the outputs' structure)
         self._compiled: dict[Hashable, tuple[Callable[..., Any], Any]] = {}
         self._shapes: dict[Hashable, set[Hashable]] = {}  # (decision, signature) -> its shapes
@@ -99,14 +104,18 @@ class FusedMath:
         # (the backward's saved activations require grad: the graph is compiled for inference)
         tensors = [t.detach() if t.requires_grad else t for t in tensors]
         hit = self._compiled.get(key)
-        if hit is None:
+        if hit is None and self.failed is None:
             if not scalars:
                 shapes = self._shapes.setdefault((point, site), set())
                 if key not in shapes and len(shapes) >= self.max_shapes:
                     self._warn(fn, point)
                     return None
                 shapes.add(key)
-            hit = self._compiled[key] = self._compile(fn, static, spec, tensors)
+            hit = self._compile(fn, static, spec, tensors)
+            if hit is not None:
+                self._compiled[key] = hit
+        if hit is None:  # the backend cannot compile here: op by op (a scalar decision: right here)
+            return fn(*static, xp, *args) if scalars else None
         compiled, out_spec = hit
         return _unflatten(out_spec, iter(compiled(*tensors)))
 
@@ -124,7 +133,10 @@ class FusedMath:
             "fuse_decisions=False where shapes vary every step.", RuntimeWarning, stacklevel=3)
 
     def _compile(self, fn: Callable[..., Any], static: tuple[Hashable, ...], spec: Any,
-                 tensors: list[torch.Tensor]) -> tuple[Callable[..., Any], Any]:
+                 tensors: list[torch.Tensor]) -> tuple[Callable[..., Any], Any] | None:
+        """The traced graph, compiled, and its outputs' structure; ``None`` (warned once, and
+        ``failed`` set) where the backend raises: it cannot compile on this machine. A
+        function that cannot be traced raises (a bug in it, not in the machine)."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         out_spec: list[Any] = []
@@ -143,7 +155,18 @@ class FusedMath:
                 return graph, out_spec[0]
             from torch import _inductor  # not through dynamo: the hooks run with it disabled
 
-            return _inductor.compile(graph, tensors), out_spec[0]
+            try:
+                return _inductor.compile(graph, tensors), out_spec[0]
+            except Exception as e:  # noqa: BLE001 (a missing compiler, an unsupported device, ...)
+                said = str(e).strip()
+                self.failed = f"{type(e).__name__}: {said.splitlines()[0] if said else ''}"
+                warnings.warn(
+                    f"fuse_decisions: {self.backend} could not compile a decision on "
+                    f"{tensors[0].device.type if tensors else 'this machine'} ({self.failed}); every "
+                    "decision runs op by op from now on (the same decisions, slower). Install what the "
+                    "backend needs (inductor on a CPU: a C++ compiler), or pass fuse_decisions=False "
+                    "to skip compiling.", RuntimeWarning, stacklevel=4)
+                return None
 
 
 _TENSOR = "tensor"  # a leaf of a spec

@@ -120,6 +120,9 @@ class BackwardRecord:
     loss: torch.Tensor | None = None  # the scaled output (detached): was it finite?
     # why this backward had one global scale (hooks.global_backward), or None: per-layer scales
     global_reason: str | None = None
+    # the shapes of the cotangents the decisions met, in order (the scaler compiles decisions
+    # once they hold: FusedMath.steady_after)
+    shapes: tuple[Any, ...] = ()
 
     def reports(self) -> dict[str, LayerReport]:
         return {n: d.to_torch(self.math).report(self.config) for n, d in self.decisions.items()}
@@ -492,6 +495,7 @@ class ScaledBackward:
 
     def _reset(self) -> None:
         self.values: list[torch.Tensor | None] = [None] * self.plan.n_syms
+        self.shapes: list[Any] = []  # the cotangents' shapes at the decisions (BackwardRecord.shapes)
         self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}  # (node, output)
         self.carried: set[tuple[int, int]] = set()
         self.decisions: dict[str, _Decision] = {}
@@ -522,7 +526,7 @@ class ScaledBackward:
                               dict(self.leaf_scales), dict(self.captured),
                               {k: conv(v) for k, v in self.captured_scales.items()},
                               model_scales, spreads, self.sm, self._underflow_signals(), self.loss,
-                              self.global_reason)
+                              self.global_reason, tuple(self.shapes))
 
     def _underflow_signals(self) -> dict[str, torch.Tensor]:
         """Per weight, :func:`adaloss.solver.underflow_ratio` of its decisions (fp32 0-d tensors)."""
@@ -545,6 +549,8 @@ class ScaledBackward:
         if self.global_reason is not None:  # one scale everywhere: nothing to decide or merge
             return self._global(i, p, go)
         self._merge_outputs(p, go)
+        if p.kind not in NO_DECISION:
+            self.shapes.append(None if go[0] is None else go[0].shape)
         if p.kind not in NO_DECISION and self.capture and go[0] is not None:
             self.captured[p.name] = go[0]
             self.captured_scales[p.name] = self.values[p.sym]

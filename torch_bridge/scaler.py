@@ -66,6 +66,10 @@ from torch_bridge.sharded import (
 
 _F32 = torch.float32
 
+#: ``fuse_decisions="auto"``: backwards in a row that meet their decisions with the same shapes
+#: before the decisions run compiled (a short run, a test, a run whose shapes vary: never)
+STEADY_AFTER = 20
+
 
 class _Stage(enum.Enum):
     READY = 0
@@ -116,14 +120,18 @@ class AdaLossScaler:
         gradients always use device tensors, and so does ``fuse_decisions``.
       fuse_decisions: run each decision (the statistics of its cotangent and activation,
         its scalar math, the rescaled cotangent) as one compiled call, and the weights'
-        statistics as one more per backward
-        (:mod:`torch_bridge.kernels`, :class:`torch_bridge.fused.FusedMath`: ``True`` or
-        ``"inductor"``; ``"eager"`` runs the traced graphs op by op; or a ``FusedMath`` of
-        your own), on any device: CPU gradients too (``host_math`` then does not apply).
-        Each decision compiles once per shape of its tensors, on first use (seconds each on a
-        CPU); past ``FusedMath.max_shapes`` shapes it warns and runs op by op. Not fused: the
-        decisions of an fp8 ``grad_format``, scalar factors and first layers (their scalar
-        math only) and tensor subclasses. ``False`` (default): eager ops.
+        statistics as one more per backward (:mod:`torch_bridge.kernels`,
+        :class:`torch_bridge.fused.FusedMath`), on any device, CPU gradients too
+        (``host_math`` then does not apply). ``"auto"`` (default): with inductor, once
+        ``torch_bridge.scaler.STEADY_AFTER`` (20) backwards in a row met their decisions with
+        the same shapes (op by op until then, and again while shapes change; a run whose
+        shapes vary every step never compiles). ``True`` or ``"inductor"``: from the first backward;
+        ``"eager"``: the traced graphs op by op; or a ``FusedMath`` of your own; ``False``: op
+        by op always. A decision compiles once per shape of its tensors (seconds each on a
+        CPU); past ``FusedMath.max_shapes`` shapes it warns and runs op by op; where inductor
+        cannot compile (no C++ compiler, an unsupported device) it warns once and runs op by
+        op. Not fused: the decisions of an fp8 ``grad_format``, scalar factors and first
+        layers (their scalar math only) and tensor subclasses.
       unscale_in_backward: divide each parameter's gradient by its scale as autograd
         delivers it (before it is accumulated into ``.grad``), so that ``.grad`` holds the
         true gradient (scale 1; ``unscale_`` then only checks it). Data parallelism needs
@@ -146,7 +154,7 @@ class AdaLossScaler:
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
                  enabled: bool = True, capture: bool = False, host_math: bool = True,
                  unscale_in_backward: bool | None = None,
-                 fuse_decisions: bool | str | FusedMath = False,
+                 fuse_decisions: bool | str | FusedMath = "auto",
                  warn_after_skips: int | None = skips.WARN_AFTER) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
@@ -189,7 +197,13 @@ class AdaLossScaler:
                             f"got {type(fuse_decisions).__name__}")
         self._fused = (fuse_decisions if isinstance(fuse_decisions, FusedMath)
                        else None if fuse_decisions is False
+                       else FusedMath("inductor", steady_after=STEADY_AFTER) if fuse_decisions == "auto"
                        else FusedMath("inductor" if fuse_decisions is True else fuse_decisions))
+        # the decisions' shapes in the last backward, how many backwards in a row met them, and
+        # whether the backward in progress runs its decisions compiled (FusedMath.steady_after)
+        self._shapes: tuple[Any, ...] | None = None
+        self._steady = 0
+        self._fusing = False
         self.unscale_in_backward = unscale_in_backward
         self._at_leaf = False  # this backward unscales at the leaves
         self._ones: dict[torch.device, torch.Tensor] = {}
@@ -311,7 +325,7 @@ class AdaLossScaler:
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
-                            every_leaf=self._at_leaf, fused=self._fused, loss=outputs.detach(),
+                            every_leaf=self._at_leaf, fused=self._fuse_now(), loss=outputs.detach(),
                             **self.levels(outputs.device))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
@@ -487,7 +501,18 @@ class AdaLossScaler:
             one = self._ones[device] = torch.ones((), dtype=_F32, device=device)
         return one
 
+    def _fuse_now(self) -> FusedMath | None:
+        """The compiled decisions for the backward being prepared: where ``fuse_decisions``
+        compiles here and the last ``steady_after`` backwards met the same shapes."""
+        f = self._fused
+        self._fusing = f is not None and f.failed is None and self._steady >= f.steady_after
+        return f if self._fusing else None
+
     def _on_done(self, record: BackwardRecord) -> None:
+        if record.shapes == self._shapes:
+            self._steady += 1
+        else:
+            self._shapes, self._steady = record.shapes, 1
         if record.global_reason is not None and not self._warned_global:
             self._warned_global = True
             warnings.warn(_GLOBAL_BACKWARD.format(how=record.global_reason), stacklevel=_user_stacklevel())
@@ -600,8 +625,9 @@ class AdaLossScaler:
             state = [h if here else None, good if here else None, *(self._lift[n] for n in names)]
             ratios = [self._ratio[n].to(dev) for n in names]
             args = (*state[:2], state[2:], ratios, found_total(found_inf, dev))
-            new_h, new_good, new_lifts = (decisions.levels(self._config, xp, *args) if self._fused is None
-                                          else self._fused(decisions.levels, (self._config,), *args))
+            new_h, new_good, new_lifts = (self._fused(decisions.levels, (self._config,), *args)
+                                          if self._fusing and self._fused is not None
+                                          else decisions.levels(self._config, xp, *args))
             for old, value in zip(state, [new_h, new_good, *new_lifts]):
                 if old is not None:
                     old.copy_(value)
@@ -684,7 +710,8 @@ class AdaLossScaler:
             _pending={names[k]: scale for k, (_, scale) in self._pending.items() if k in names},
             _last=None, _records=[], _plans=OrderedDict(), _ones={}, _f16={}, _route_scales={},
             _route_hooks={}, _routed=set(),
-            _fused=None if self._fused is None else (self._fused.backend, self._fused.max_shapes))
+            _fused=None if self._fused is None else (self._fused.backend, self._fused.max_shapes,
+                                                     self._fused.steady_after))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
