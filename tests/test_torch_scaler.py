@@ -112,7 +112,7 @@ def test_bad_arguments_raise():
         AdaLossScaler("model")
     with pytest.raises(TypeError, match="fuse_decisions"):
         AdaLossScaler(MLP(), fuse_decisions=1)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="auto.*backend.*tvm"):
         AdaLossScaler(MLP(), fuse_decisions="tvm")
     fused = FusedMath("eager")
     with pytest.raises(TypeError, match="0-d tensors"):  # a decision reads statistics, not tensors
@@ -684,6 +684,8 @@ def test_pickle_and_deepcopy_between_backward_and_step_go_on_with_the_live_model
         s.scale(_loss(m, x, y)).backward()
     for fresh in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
         assert fresh.grad_scales() == {} and fresh._model is model  # the live model, no copy
+        f = fresh._fused  # the default's compiled decisions: the same policy, compiled anew
+        assert (f.backend, f.steady_after, len(f)) == ("inductor", scaler._fused.steady_after, 0)
     scaler = copy.deepcopy(pickle.loads(pickle.dumps(scaler)))  # mid-iteration: pending scales kept
     scaler.step(opt)
     scaler.update()

@@ -43,7 +43,7 @@ from adaloss.config import AdaLossConfig
 from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
 from torch_bridge import decisions
 from torch_bridge._xp import xp
-from torch_bridge.fused import FusedMath
+from torch_bridge.fused import BACKENDS, FusedMath
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import (
     COMPILED_AUTOGRAD,
@@ -193,8 +193,11 @@ class AdaLossScaler:
         self.capture = bool(capture)
         self.host_math = bool(host_math)
         if not isinstance(fuse_decisions, (bool, str, FusedMath)):
-            raise TypeError("fuse_decisions must be a bool, a backend name or a FusedMath, "
+            raise TypeError("fuse_decisions must be a bool, \"auto\", a backend name or a FusedMath, "
                             f"got {type(fuse_decisions).__name__}")
+        if isinstance(fuse_decisions, str) and fuse_decisions not in ("auto", *BACKENDS):
+            raise ValueError(f"fuse_decisions must be \"auto\" or a backend of {BACKENDS}, "
+                             f"got {fuse_decisions!r}")
         self._fused = (fuse_decisions if isinstance(fuse_decisions, FusedMath)
                        else None if fuse_decisions is False
                        else FusedMath("inductor", steady_after=STEADY_AFTER) if fuse_decisions == "auto"
