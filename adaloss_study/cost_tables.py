@@ -94,5 +94,6 @@ def gpu_section(payload: dict[str, Any]) -> list[str]:
             f"16-bit peak + kernels × {est['h100']['launch'] * 1e6:.0f} µs (H100 "
             f"{est['h100']['bandwidth'] / 1e12:.2f} TB/s, H200 {est['h200']['bandwidth'] / 1e12:.1f} TB/s, "
             f"{est['h100']['peak'] / 1e12:.0f} TFLOP/s). Baselines: the gradient against "
-            "`jax.value_and_grad`, the training step against `jmp.DynamicLossScale`. "
+            "`jax.value_and_grad`, the training step against `jmp.DynamicLossScale`, each step "
+            "compiled with its state donated (`donate_argnums`), as training loops compile it. "
             f"{payload.get('date', '')}.", "", gpu_table(payload), ""]

@@ -124,8 +124,10 @@ def _device(target: str) -> Any:
 
 
 def compile_for(fun: Callable[..., Any], *args: Any, target: str = "h100",
-                pipeline: str = "triton") -> GpuProgram:
-    """Compile ``jax.jit(fun)`` for ``target`` with ``args``' shapes and dtypes, no device."""
+                pipeline: str = "triton", donate_argnums: tuple[int, ...] = ()) -> GpuProgram:
+    """Compile ``jax.jit(fun)`` for ``target`` with ``args``' shapes and dtypes, no device;
+    ``donate_argnums`` as ``jax.jit``'s (a training step's state, donated as training loops do:
+    an output that is an unchanged input then costs no copy)."""
     import jax
     from jax.sharding import SingleDeviceSharding
     if not available():
@@ -139,7 +141,7 @@ def compile_for(fun: Callable[..., Any], *args: Any, target: str = "h100",
     start = time.perf_counter()
     with compiling_for("cuda"):  # a fresh function: JAX's trace cache must not hand back (or
         # keep) a trace made for the CPU, whose bf16 dots adaloss widens
-        traced = jax.jit(lambda *a: fun(*a)).trace(*specs)
+        traced = jax.jit(lambda *a: fun(*a), donate_argnums=donate_argnums).trace(*specs)
     compiled = traced.lower().compile(
         compiler_options={"xla_gpu_enable_triton_gemm": pipeline == "triton"})
     seconds = time.perf_counter() - start

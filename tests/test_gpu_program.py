@@ -190,3 +190,17 @@ def test_a_loop_counts_its_body_per_iteration_and_the_slices_it_moves():
     buffers = 2 * xs.nbytes
     assert prog.kernels_run >= 64 > prog.kernels
     assert buffers <= prog.kernel_bytes_run <= 4 * buffers, (prog.kernel_bytes_run, buffers)
+
+
+def test_a_donated_input_returned_unchanged_costs_no_copy():
+    """A step's state returned as it came (``compile_for(..., donate_argnums=...)``, as training
+    loops compile a step): not donated, XLA writes it to a new buffer with a copy kernel;
+    donated, the output is the input's buffer and no kernel runs for it."""
+    state, x = jnp.ones((1024,), jnp.float32), jnp.ones((1024,), jnp.float32)
+
+    def step(state, x):
+        return state, jnp.sin(x)
+    kept = gp.compile_for(step, state, x)
+    donated = gp.compile_for(step, state, x, donate_argnums=(0,))
+    assert kept.kernels_run == donated.kernels_run + 1
+    assert kept.kernel_bytes_run == donated.kernel_bytes_run + 2 * state.nbytes
