@@ -551,9 +551,9 @@ class ScaledBackward:
         self._merge_outputs(p, go)
         if p.kind not in NO_DECISION:
             self.shapes.append(None if go[0] is None else go[0].shape)
-        if p.kind not in NO_DECISION and self.capture and go[0] is not None:
-            self.captured[p.name] = go[0]
-            self.captured_scales[p.name] = self.values[p.sym]
+            if self.capture and go[0] is not None:
+                self.captured[p.name] = go[0]
+                self.captured_scales[p.name] = self.values[p.sym]
         if p.kind != "op" and not self.adaptive:
             self.values[p.send] = self.values[p.sym]
         elif p.kind == "layer":
