@@ -147,7 +147,9 @@ class AdaLossConfig:
         two, or with ``power_of_two=False`` the exact factor, that maps it to the format's
         max) for its forward GEMM and both backward GEMMs, so that every GEMM multiplies fp8
         by fp8. The weight's gradient passes the quantization unchanged (straight through).
-        Needs an fp8 ``grad_format``; JAX only (``AdaLossScaler`` refuses it).
+        Needs an fp8 ``grad_format``. In PyTorch the layers' forward does it: the model's
+        ``nn.Linear`` layers converted by ``torch_bridge.convert_to_float8_training`` with this
+        config (``AdaLossScaler`` refuses the setting on a model without them).
     """
 
     threshold: float = 1e-3

@@ -146,26 +146,26 @@ def log_stats_of_sums(count: Array, log_sum: Array, log_sq_sum: Array, absmax: A
     return LogStats(mean, xp.sqrt(var), count, absmax)
 
 
+# exact faster forms of pow2_floor that a front registers for its namespace (``xp.__name__``)
+_POW2_FLOOR: dict[str, Callable[[Array], Array]] = {}
+
+
+def register_pow2_floor(namespace: str, fn: Callable[[Array], Array]) -> None:
+    """Use ``fn`` as :func:`pow2_floor` for the array namespace named ``namespace``: it must
+    give the same numbers as frexp/ldexp (``jax_adaloss`` registers one from fp32 bits)."""
+    _POW2_FLOOR[namespace] = fn
+
+
 def pow2_floor(x: Array, xp: Any) -> Array:
     """Largest power of two ``<= |x|`` for finite non-zero ``x``, exactly (frexp/ldexp, not
-    log2); 0.5 for 0, ±inf and NaN (frexp's exponent 0). In JAX, ``x``'s exponent bits with
-    the mantissa cleared: the same numbers (a subnormal, which XLA flushes, gives 0 either way)
-    in a few integer ops instead of frexp's and ldexp's dozens, once per scale decision."""
-    if getattr(xp, "__name__", "") == "jax.numpy":
-        return _pow2_floor_bits(x)
+    log2); 0.5 for 0, ±inf and NaN (frexp's exponent 0). A namespace with a registered form
+    (:func:`register_pow2_floor`) uses it: in JAX, the exponent bits with the mantissa
+    cleared, a few integer ops instead of frexp's and ldexp's dozens, once per decision."""
+    fast = _POW2_FLOOR.get(getattr(xp, "__name__", ""))
+    if fast is not None:
+        return fast(x)
     _, exponent = xp.frexp(x)
     return xp.ldexp(xp.ones_like(x), exponent - 1)
-
-
-def _pow2_floor_bits(x: Array) -> Array:
-    """:func:`pow2_floor` of an fp32 JAX array from its bits."""
-    import jax  # only where the caller's namespace is jax.numpy: the torch bridge never gets here
-
-    jnp, lax = jax.numpy, jax.lax
-    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-    exponent = bits & jnp.int32(0x7F800000)
-    special = ((bits & jnp.int32(0x7FFFFFFF)) == 0) | (exponent == jnp.int32(0x7F800000))
-    return jnp.where(special, jnp.float32(0.5), lax.bitcast_convert_type(exponent, jnp.float32))
 
 
 def absmax(t: TensorStats, xp: Any) -> Array:

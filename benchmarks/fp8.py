@@ -36,7 +36,7 @@ the mean over ``--seeds`` initialisations and batches):
   operands, ``out_qdq`` on the output, delayed scaling of all three, history 16) cold and warm.
 
 ``casts`` / ``own max``: fp8 casts in the backward and those whose scale reads a full
-reduction of the tensor they convert (:func:`jax_adaloss.audit.fp8_casts`): each of those
+reduction of the tensor they convert (:func:`adaloss_tools.audit.fp8_casts`): each of those
 needs a second pass over its tensor. ``saturated``/``flushed``: adaloss's largest per-layer
 fractions.
 
@@ -66,12 +66,12 @@ import optax
 import jax_adaloss
 from adaloss import AdaLossConfig
 from adaloss_study.overhead import machine
+from adaloss_tools.audit import fp8_casts
 from adaloss_zoo import jax_zoo as jz
 from adaloss_zoo.fp8_delayed import count_layers, delayed_value_and_grad, init_metas, pure
 from adaloss_zoo.fp8_tables import COLUMNS, TORCH_COLUMNS, summary, table, torch_summary, torch_table
 from adaloss_zoo.fp8_tables import fmt as _fmt
 from adaloss_zoo.metrics import grad_error
-from jax_adaloss.audit import fp8_casts
 
 FORMATS = ("float8_e5m2", "float8_e4m3fn")
 E4M3 = "float8_e4m3fn"

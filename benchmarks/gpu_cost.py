@@ -1,6 +1,6 @@
 """The backward's cost on the GPU program, compiled without a GPU: kernels, bytes, compile time.
 
-    pip install -e '.[gpu-program]'                  # the CUDA plugin (no CUDA libraries)
+    pip install -e '.[gpu-program]' -e ./tools        # the CUDA plugin (no CUDA libraries)
     python benchmarks/gpu_cost.py                     # docs/gpu_cost.json, table printed
     python benchmarks/gpu_cost.py --widths gpt2 --layouts unrolled --configs fp16 --programs gradient
 
@@ -12,7 +12,7 @@ or scanned, for each gradient format ``--configs`` (``fp16``: the default, the L
 ``bf16``: the LM and the gradients in bf16; ``fp8``: e5m2 gradients of the fp16 LM;
 ``fp8-current``: the same with ``fp8_rule="current"``, per-tensor current scaling, the FP8
 row's reference), compiled for an H100 target with default flags
-(:mod:`jax_adaloss.gpu_program`), two programs each beside its baseline:
+(:mod:`adaloss_tools.gpu_program`), two programs each beside its baseline:
 
 - the gradient: ``jax_adaloss.value_and_grad`` (at its initial state) against
   ``jax.value_and_grad``;
@@ -24,7 +24,7 @@ row's reference), compiled for an H100 target with default flags
 
 Read from the optimized program: kernels launched per run and the bytes they move (a scanned
 body counted once per iteration), each kernel attributed to what it does
-(:func:`jax_adaloss.gpu_program.attribute`: the model's own backward, statistics passes,
+(:func:`adaloss_tools.gpu_program.attribute`: the model's own backward, statistics passes,
 merges, rescales, scalar kernels), XLA's flops, temporary memory and compile seconds. An
 **estimated** step time per target comes from a stated model, nothing having run:
 ``bytes / bandwidth + flops / peak + kernels × launch``, with :data:`TARGETS`' figures (a
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jax_adaloss import gpu_program as gp
+from adaloss_tools import gpu_program as gp
 
 gp.environment()
 

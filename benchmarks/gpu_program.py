@@ -1,13 +1,13 @@
 """The GPU program of our steps, compiled without a GPU: fp8 casts, FP8 GEMMs, kernels, bytes.
 
-    pip install -e '.[gpu-program]'                      # the CUDA plugin (no CUDA libraries)
+    pip install -e '.[gpu-program]' -e ./tools            # the CUDA plugin (no CUDA libraries)
     python benchmarks/gpu_program.py                      # docs/gpu_program.json, table printed
     python benchmarks/gpu_program.py --targets h100 --pipelines cublas --models mlp --dim 256
 
 For the gradient step of the depth benchmark's LM (``--blocks``, unrolled and scanned; fp16) and
 of a bf16 flax MLP (``--layers`` × Dense ``--dim`` + a 16-way head, batch
 ``--batch``, mean squared error in fp32), each method is compiled for each target (H100 SXM,
-H200; :mod:`jax_adaloss.gpu_program`) in both GEMM pipelines XLA:GPU has without autotuning
+H200; :mod:`adaloss_tools.gpu_program`) in both GEMM pipelines XLA:GPU has without autotuning
 (``triton``: its default; ``cublas``: Triton GEMMs off, what autotuning picks for many shapes on
 a device), and the optimized program is read: converts to each fp8 format, GEMMs, those reading
 an 8-bit operand, FP8 GEMMs (cuBLASLt f8 calls, GEMM fusions whose dot takes fp8 operands),
@@ -16,7 +16,7 @@ generic cost analysis), second passes (casts whose scale needed another kernel t
 tensor first), temporary memory and compile time. The jaxpr's casts are the quantizations the
 step asks for (XLA may merge identical ones and drop dead ones: the cotangent casts, one per
 layer, can be neither), and ``own max`` those whose scale reads a reduction of their own tensor
-(:func:`jax_adaloss.audit.fp8_casts`).
+(:func:`adaloss_tools.audit.fp8_casts`).
 
 Methods: ``jax.value_and_grad`` (bf16, no fp8), flax ``Fp8DotGeneralOp`` (every Dense fp8 ×
 fp8, delayed scaling), and ``jax_adaloss.value_and_grad`` with e5m2 gradients (``adaloss``), with
@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jax_adaloss import gpu_program as gp
+from adaloss_tools import gpu_program as gp
 
 gp.environment()
 
@@ -44,7 +44,7 @@ from flax.linen import fp8_ops  # noqa: E402
 
 import jax_adaloss  # noqa: E402
 from adaloss.config import AdaLossConfig  # noqa: E402
-from jax_adaloss.audit import fp8_casts  # noqa: E402
+from adaloss_tools.audit import fp8_casts  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -6,6 +6,7 @@
 """
 
 from adaloss.config import AdaLossConfig
+from jax_adaloss import pow2 as _pow2  # noqa: F401  (solver.pow2_floor's JAX form)
 from jax_adaloss.api import grad, value_and_grad
 from jax_adaloss.collectives import pmean, psum, tree_add, tree_scale
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache

@@ -94,7 +94,7 @@ _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("a
 @contextlib.contextmanager
 def compiling_for(platform: str) -> Iterator[None]:
     """Trace for ``platform`` rather than JAX's default backend (a GPU program compiled on a
-    machine whose backend is the CPU: :mod:`jax_adaloss.gpu_program`)."""
+    machine whose backend is the CPU: :mod:`adaloss_tools.gpu_program`)."""
     token = _TARGET_PLATFORM.set(platform)
     try:
         yield

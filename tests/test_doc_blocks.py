@@ -85,7 +85,7 @@ def test_readme_table_reads_the_study_records():
 def test_figures_outside_generated_blocks_name_their_command(page):
     loose = {u: f for u in _units(page.read_text()) if (f := _figures(u))}
     assert not loose, ("measured figures outside a generated block, with no command named: put them "
-                       f"in a block (adaloss_study/doc_blocks.py) or name the command: {loose}")
+                       f"in a block (tools/adaloss_study/doc_blocks.py) or name the command: {loose}")
 
 
 def test_the_figure_check_can_fail():

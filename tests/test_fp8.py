@@ -21,8 +21,8 @@ from models import make_case, xent
 
 import jax_adaloss
 from adaloss import AdaLossConfig, format_limits, solver
+from adaloss_tools.audit import fp8_casts
 from adaloss_zoo.fp8_delayed import placed
-from jax_adaloss.audit import fp8_casts
 
 FORMATS = ("float8_e5m2", "float8_e4m3fn")
 

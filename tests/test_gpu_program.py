@@ -1,4 +1,4 @@
-"""The GPU program, compiled for an H100 without a GPU (:mod:`jax_adaloss.gpu_program`): every
+"""The GPU program, compiled for an H100 without a GPU (:mod:`adaloss_tools.gpu_program`): every
 fp8 cast of the step is in it, in both GEMM pipelines, and with e4m3 operands every GEMM of a
 quantized layer is an FP8 GEMM, at least as many as flax's ``Fp8DotGeneralOp`` gets. XLA:GPU
 folds a cast to fp8 and back to 16 bits away where it may (``xla_allow_excess_precision``):
@@ -14,8 +14,8 @@ from flax.linen import fp8_ops
 
 import jax_adaloss
 from adaloss.config import AdaLossConfig
-from jax_adaloss import gpu_program as gp
-from jax_adaloss.audit import fp8_casts
+from adaloss_tools import gpu_program as gp
+from adaloss_tools.audit import fp8_casts
 
 pytestmark = [pytest.mark.skipif(not gp.available(), reason="needs the gpu-program extra (CUDA plugin)"),
               pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated")]

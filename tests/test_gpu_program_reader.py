@@ -1,4 +1,4 @@
-"""The GPU program's reader (:func:`jax_adaloss.gpu_program.read_hlo`) on hand-written optimized
+"""The GPU program's reader (:func:`adaloss_tools.gpu_program.read_hlo`) on hand-written optimized
 HLO, one module per form it must count: a fusion whose result is a nested tuple, a bare copy,
 a loop's body per iteration, reducers and comparators (no kernels of their own), and a line it
 cannot read (an error, never a smaller count). No compiler needed."""
@@ -6,7 +6,7 @@ cannot read (an error, never a smaller count). No compiler needed."""
 
 import pytest
 
-from jax_adaloss import gpu_program as gp
+from adaloss_tools import gpu_program as gp
 
 _FUSED = """\
 %fused_convert_reduce (p0: f32[4096,768]) -> ((f32[4096], f32[4096]), f16[4096,768]) {

@@ -132,7 +132,7 @@ def test_torch_trains_through_the_same_gelu_mlp_without_skipping():
 
 
 def test_importing_the_fronts_runs_no_computation():
-    """A deviceless GPU compile (jax_adaloss.gpu_program) sets the environment before JAX starts
+    """A deviceless GPU compile (adaloss_tools.gpu_program) sets the environment before JAX starts
     a backend: importing must not start one."""
     code = ("import jax._src.xla_bridge as xb, jax_adaloss, torch_bridge, adaloss.skips; "
             "print(xb.backends_are_initialized())")

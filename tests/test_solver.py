@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.scipy.special import erf
 
+import jax_adaloss  # noqa: F401  (registers solver.pow2_floor's JAX form)
 from adaloss import solver
 from adaloss.config import UNBOUNDED, AdaLossConfig
 
@@ -175,6 +176,9 @@ def test_pow2_floor_from_bits_equals_frexp_ldexp_on_every_kind_of_float():
     got = jax.jit(lambda v: solver.pow2_floor(v, jnp))(x)
     want = jax.jit(lambda v: jnp.ldexp(jnp.ones_like(v), jnp.frexp(v)[1] - 1))(x)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    # the solver takes the bits form, which jax_adaloss registers for jax.numpy
+    text = jax.jit(lambda v: solver.pow2_floor(v, jnp)).lower(x).as_text()
+    assert "bitcast_convert" in text and "frexp" not in text
 
 
 def test_predicted_underflow_matches_threshold_at_the_raw_scale():

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jax_adaloss.jaxpr_walk import walk
+from adaloss_tools.jaxpr_walk import walk
 
 _GEMMS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
@@ -45,7 +45,7 @@ class _Eqn(NamedTuple):
 
 
 def _flatten(closed: jcore.ClosedJaxpr) -> list[_Eqn]:
-    """The equations of ``closed``, calls inlined (:func:`jax_adaloss.jaxpr_walk.walk`), each
+    """The equations of ``closed``, calls inlined (:func:`adaloss_tools.jaxpr_walk.walk`), each
     value a global id."""
     out: list[_Eqn] = []
     ids = itertools.count()

@@ -9,7 +9,7 @@ straight through. The new scales and histories come back as the gradient of the 
 history arguments (flax's ``_overwrite_with_gradient`` collection).
 
 :func:`delayed_value_and_grad` applies them to any JAX loss without changing the model: the
-loss's jaxpr is evaluated (:func:`jax_adaloss.jaxpr_walk.walk`) with ``out_qdq`` after every
+loss's jaxpr is evaluated (:func:`adaloss_tools.jaxpr_walk.walk`) with ``out_qdq`` after every
 matmul or convolution whose one operand is computed from the differentiated parameters alone
 (a layer; attention's activation products are left in the model's dtype), and with
 ``operands=True`` ``in_qdq`` on both of its operands too (``Fp8DotGeneralOp`` end to end),
@@ -29,7 +29,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 from jax.extend import core as jcore
 
-from jax_adaloss.jaxpr_walk import PLAIN_CALLS, walk
+from adaloss_tools.jaxpr_walk import PLAIN_CALLS, walk
 
 _GEMMS = ("dot_general", "conv_general_dilated")
 #: the casts each layer makes: its output's cotangent; with operands, first its two operands (in

@@ -1,5 +1,5 @@
 """One walk over a jaxpr's equations, nested calls inlined, for the tools that read or
-re-evaluate a traced function (:mod:`jax_adaloss.audit`, :mod:`adaloss_zoo.fp8_delayed`).
+re-evaluate a traced function (:mod:`adaloss_tools.audit`, :mod:`adaloss_zoo.fp8_delayed`).
 
 Each caller says what it keeps per value (an id, a value and a flag...) through three
 callbacks; the walk does the environment, the literals and the inlining of call-like

@@ -76,9 +76,9 @@ def gpu_section(payload: dict[str, Any]) -> list[str]:
     return ["## On a GPU: the compiled program", "",
             f"```\n{payload['command']}\n```", "",
             "No GPU has run these steps. XLA:GPU compiles them on this machine for an H100 target "
-            "(`jax_adaloss.gpu_program`), and the optimized program says what a device would launch: "
+            "(`adaloss_tools.gpu_program`), and the optimized program says what a device would launch: "
             "kernels (fusions, library calls, copies) and the bytes they move, each kernel attributed "
-            "to what it does by the frames XLA keeps (`jax_adaloss.gpu_program.attribute`): a "
+            "to what it does by the frames XLA keeps (`adaloss_tools.gpu_program.attribute`): a "
             "statistics pass a decision reads, a merge of branches that carry different scales (their "
             "max pass and the rescaled sum written), a rescale on its own, a scalar kernel (a "
             "decision's math; a copy of a per-leaf scalar the gradient returns), or the model's own "

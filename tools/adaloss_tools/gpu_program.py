@@ -117,7 +117,7 @@ def _device(target: str) -> Any:
     from jax.experimental import topologies
     if target not in TARGETS:
         raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
-    spec = resources.files("jax_adaloss").joinpath("gpu_targets", TARGETS[target]).read_text()
+    spec = resources.files("adaloss_tools").joinpath("gpu_targets", TARGETS[target]).read_text()
     topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology="1x1x1",
                                         target_config=spec)
     return topo.devices[0]
