@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from adaloss import solver
+from adaloss import decisions, solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss import reductions
@@ -428,38 +428,51 @@ class _Tape:
         self.region_layers += sub.layers_found
 
     def _classify(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
+        """What the sweep does at ``eqn``: the rule of :data:`CLASSIFY` for its primitive may make
+        it a decision node (a layer, a first layer, a cast); any other stays an ``op``."""
         prim = eqn.primitive.name
         inner = _weighted_inside(eqn.params)
         if inner:  # scan/while/cond or a custom rule: no per-layer scale inside
             self.opaque.append((prim, inner))
-        if prim in _WEIGHTED and len(node.ins) == (3 if prim == "ragged_dot_general" else 2):
-            origins = [self.origin[s] for s in node.ins]
-            self.weighted_ops += 1
-            if any(o is None and i in node.diff for i, o in enumerate(origins)):
-                self.data_path_ops += 1
-            operands = self._layer_operands(prim, node.ins)
-            if operands is None:
-                return  # data·data (attention) or weight·weight (a factored weight)
-            w, x = operands
-            first = x not in node.diff  # the first layer: its input needs no gradient
-            if first and not (self.fp8 and w in node.diff):
-                return
-            if prim == "conv_general_dilated" and w != 1:
-                self.missed.append("a convolution whose weight is its lhs operand")
-                return
-            name = origins[w]
-            if name == _CONST:
-                name = f"const:{self._count('<const>')}"
-            # an fp8 first layer quantizes its cotangent for its weight gradient; no decision
-            node.kind, node.name = ("first" if first else "layer"), self._unique(name)
-            node.act = -1 if first else node.diff.index(x)
-            node.wgt = node.diff.index(w) if w in node.diff else -1
-            node.weight = vals[w]
-            node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
-            node.feature_axes = _feature_axes(eqn, w, np.ndim(vals[0]), np.ndim(vals[1]))
-            self._check_format(jnp.result_type(self.values[node.outs[0]]), f"layer {node.name}")
-        elif (prim == "convert_element_type" and self.config.cast_rule
-              and node.diff == (0,) and self.origin[node.ins[0]] is None):
+        rule = CLASSIFY.get(prim)
+        if rule is not None:
+            rule(self, node, eqn, vals)
+
+    def _classify_layer(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
+        """A matmul or convolution of a weight and data: a layer (``first`` where the data needs no
+        gradient), named for its weight."""
+        prim = eqn.primitive.name
+        if len(node.ins) != (3 if prim == "ragged_dot_general" else 2):
+            return
+        origins = [self.origin[s] for s in node.ins]
+        self.weighted_ops += 1
+        if any(o is None and i in node.diff for i, o in enumerate(origins)):
+            self.data_path_ops += 1
+        operands = self._layer_operands(prim, node.ins)
+        if operands is None:
+            return  # data·data (attention) or weight·weight (a factored weight)
+        w, x = operands
+        first = x not in node.diff  # the first layer: its input needs no gradient
+        if first and not (self.fp8 and w in node.diff):
+            return
+        if prim == "conv_general_dilated" and w != 1:
+            self.missed.append("a convolution whose weight is its lhs operand")
+            return
+        name = origins[w]
+        if name == _CONST:
+            name = f"const:{self._count('<const>')}"
+        # an fp8 first layer quantizes its cotangent for its weight gradient; no decision
+        node.kind, node.name = ("first" if first else "layer"), self._unique(name)
+        node.act = -1 if first else node.diff.index(x)
+        node.wgt = node.diff.index(w) if w in node.diff else -1
+        node.weight = vals[w]
+        node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
+        node.feature_axes = _feature_axes(eqn, w, np.ndim(vals[0]), np.ndim(vals[1]))
+        self._check_format(jnp.result_type(self.values[node.outs[0]]), f"layer {node.name}")
+
+    def _classify_cast(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
+        """A 16-bit float widened on the data path: its cotangent is narrowed back, a cast."""
+        if self.config.cast_rule and node.diff == (0,) and self.origin[node.ins[0]] is None:
             src = jnp.dtype(jnp.result_type(vals[0]))
             dst = jnp.dtype(eqn.params["new_dtype"])
             if _is_float(src) and _is_float(dst) and src.itemsize < dst.itemsize <= 8 \
@@ -715,15 +728,11 @@ class _Sweep:
             self.exact[id(ct)] = (ct, dtype)
 
     # -- merging ----------------------------------------------------------------
-    def _u_max(self, dtype: Any) -> float:
+    def _u_max(self, dtype: Any) -> Any:
+        """:func:`adaloss.decisions.overflow_limit` of ``dtype``, backed off."""
         dtype = jnp.dtype(dtype)
-        if self.config.fp8:  # whatever the dtype: the next layer quantizes what it receives
-            limit = self.config.overflow_limit
-            return limit if self.backoff is None else limit * self.backoff
-        if dtype.itemsize > 2:
-            return float(jnp.finfo(dtype).max)
-        limit = self.config.overflow_limit
-        return limit if self.backoff is None else limit * self.backoff
+        return decisions.overflow_limit(self.config, dtype.itemsize, float(jnp.finfo(dtype).max),
+                                        self.backoff)
 
     def merge(self, parts: list[tuple[Any, Any]]) -> tuple[Any, Any]:
         """Sum contributions, bringing different scales to one (method.md step 5)."""
@@ -733,18 +742,14 @@ class _Sweep:
         if all(p[1] is first for p in parts):
             return _sum([p[0] for p in parts]), first
         dtype = jnp.result_type(*[p[0] for p in parts])
+        scales = [p[1] for p in parts]
         if not self.config.fp8 and all(jnp.dtype(jnp.result_type(p[0])).itemsize > 2 for p in parts):
-            # fp32 (or wider) parts, summed in their dtype: the largest scale, merge_scale's pick
-            # wherever the sum is finite (a sum beyond fp32's range skips the step, as any
-            # non-finite gradient does), without a pass over each part for its max
-            target = self._settle(functools.reduce(jnp.maximum, [jnp.asarray(p[1], _F32) for p in parts]))
-        elif self.config.fp8:  # the sum goes to an fp8 cast: fitted to it
-            absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
-            target = self._settle(solver.fp8_merge_scale(self.config, [p[1] for p in parts], absmax, jnp,
-                                                         self.backoff))
+            target = self._settle(decisions.wide_merge([jnp.asarray(s, _F32) for s in scales], jnp))
         else:
-            absmax = _absmaxes([p[0] for p in parts])
-            target = self._settle(solver.merge_scale([p[1] for p in parts], absmax, self._u_max(dtype), jnp))
+            absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
+            target, _ = decisions.merge(self.config, self._u_max(dtype), False, jnp, scales, absmax,
+                                        self.backoff)
+            target = self._settle(target)
         self._decided(target, frozenset().union(*(self._decided_by(s) for _, s in parts)))
         self._fit(target)
         return _stored(_sum([_rescale(ct, target / s) for ct, s in parts])), target
@@ -817,12 +822,9 @@ class _Sweep:
             if node.kind != "op" and self.capture:
                 self.captured[node.name] = out_cts[0]
                 self.captured_scales[node.name] = scale
-            if node.kind == "layer" and self.adaptive:
-                (self._layer_fp8 if self.config.fp8 else self._layer)(node, out_cts[0], scale)
-            elif node.kind == "first" and self.adaptive:
-                self._layer_fp8(node, out_cts[0], scale)
-            elif node.kind == "cast" and self.adaptive:
-                self._cast(node, out_cts[0], scale)
+            rule = SWEEP.get(node.kind) if self.adaptive else None
+            if rule is not None:
+                rule[self.config.fp8](self, node, out_cts[0], scale)
             else:
                 if node.axes:
                     out_cts, scale = self._agree(out_cts, scale, node.axes)
@@ -1015,6 +1017,9 @@ class _Sweep:
         return out
 
     def _layer(self, node: _Node, g: Any, incoming: Any) -> None:
+        """The layer's scale decided from its cotangent's and weight's statistics
+        (:func:`adaloss.decisions.layer_of_stats`); its input gets ``vjp_x(s·g)``, carrying
+        ``incoming·s``, its weight ``vjp_W(g)``, carrying ``incoming``."""
         cfg = self.config
         weight = None if cfg.model == "gradient" else node.weight
 
@@ -1030,18 +1035,19 @@ class _Sweep:
 
         s_model, sigma = self._statistical(node.name, fresh)
         # the caps use current statistics on every call
-        behind = self._decided_by(incoming)
-        if cfg.underflow_feedback:
-            frac = solver.subnormal_fraction_of_counts(gs.nonzero, gs.below, gs.size, cfg, jnp, gs.absmax)
+        behind = sorted(self._decided_by(incoming))
+        counts = (gs.nonzero, gs.below) if cfg.underflow_feedback else None
+        dec = decisions.layer_of_stats(cfg, node.fan_in, jnp, gs.size, g_ext, w_ext, None, incoming,
+                                       self.backoff, None, s_model, sigma, counts,
+                                       [self.limited[n] for n in behind])
+        if dec.fraction is not None:
             for name in behind:
-                self.fractions[name].append(frac)
-        self._checked(node.name, gs.absmax)
-        d = solver.layer_scale(cfg, g_ext, w_ext, node.fan_in, incoming, jnp,
-                               cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
-        scale, outgoing = self._settle((d.scale, incoming * d.scale))
-        d = d._replace(scale=scale)
+                self.fractions[name].append(dec.fraction)
+        self._checked(node.name, dec.absmax)
+        scale, outgoing = self._settle((dec.d.scale, dec.outgoing))
+        d = dec.d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
-        self.limited[node.name] = d.unrounded < d.model_scale
+        self.limited[node.name] = dec.limited
         act_ct = self._input_grad(node, g, d.scale)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if node.wgt >= 0:
@@ -1049,8 +1055,8 @@ class _Sweep:
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
         if self.reporting:
             pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-            held = _any([self.limited[n] for n in sorted(behind)])
-            self._report(node, d, incoming, outgoing, pred, solver.absmax(g_ext, jnp), held)
+            held = False if dec.held is None else dec.held
+            self._report(node, d, incoming, outgoing, pred, dec.absmax, held)
 
     def _input_grad(self, node: _Node, g: Any, scale: Any, q: Any = None) -> Any:
         """The layer's input cotangent ``vjp_x(s·g)``. For a ``dot_general`` with power-of-two
@@ -1116,9 +1122,10 @@ class _Sweep:
         return q, gq, q_ext, fractions
 
     def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
-        """A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying ``incoming``)
-        quantized once, saturating (:meth:`_quantize`); both GEMMs read it; the decision
-        (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
+        """The cotangent quantized to fp8 once, and the scale of the output decided before the
+        GEMM computes it. A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying
+        ``incoming``) quantized once, saturating (:meth:`_quantize`); both GEMMs read it; the
+        decision (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
         cfg = self.config
         current = cfg.fp8_rule == "current" or not self._is_fitted(incoming)
         if current:  # no decision fitted this scale to the format
@@ -1191,6 +1198,9 @@ class _Sweep:
         return wide_vjp(prim, params, vals, (w,))([g])[0]
 
     def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
+        """The cotangent narrowed at a scale decided from its log-statistics
+        (:func:`adaloss.decisions.cast_of_logs`); none where it holds widened 16-bit values
+        only, the fp8 format's fit where the gradient format is fp8."""
         cfg = self.config
         if self._exact_dtype(g) == jnp.dtype(jnp.result_type(node.eqn[2][0])):
             # every entry is a value of the cast's 16-bit dtype (:meth:`_exact_dtype`): narrowing
@@ -1217,9 +1227,9 @@ class _Sweep:
 
         s_model, ls = self._statistical(node.name, fresh)
         ls = ls._replace(absmax=st.absmax)  # the cap: current max|g|
-        d = solver.cast_scale(cfg, ls, incoming, jnp, cached_model_scale=s_model, backoff=self.backoff)
-        scale, outgoing = self._settle((d.scale, incoming * d.scale))
-        d = d._replace(scale=scale)
+        dec = decisions.cast_of_logs(cfg, jnp, ls, incoming, self.backoff, s_model)
+        scale, outgoing = self._settle((dec.d.scale, dec.outgoing))
+        d = dec.d._replace(scale=scale)
         (ct,) = node.vjp([_rescale(g, d.scale)])
         self.cts[node.ins[0]].append((ct, outgoing))
         if self.reporting:
@@ -1260,18 +1270,32 @@ class _Sweep:
     def underflow_signals(self) -> dict[str, Any]:
         """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
         largest over a weight's uses), for the lift of :func:`jax_adaloss.adaloss`."""
-        out: dict[str, Any] = {}
-        ratios = [(weight_of(name), solver.underflow_ratio(fracs, self.limited[name], self.config, jnp))
-                  for name, fracs in self.fractions.items()]
-        ratios += [(w, r) for w, rs in self.region_signals.items() for r in rs]
-        for w, r in ratios:
-            out[w] = r if w not in out else solver.combine_signals(self.config, out[w], r, jnp)
-        return _materialized(out)
+        names = list(self.fractions)
+        weights = tuple(weight_of(n) for n in names)
+        ratios = [(w, r) for w, rs in self.region_signals.items() for r in rs]
+        values = decisions.signals(self.config, weights, jnp, [self.fractions[n] for n in names],
+                                   [self.limited[n] for n in names], ratios)
+        return _materialized(dict(zip(dict.fromkeys([*weights, *(w for w, _ in ratios)]), values)))
 
     def report(self) -> BackwardReport:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
         return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
                               self.tape.coverage())
+
+
+#: per primitive, the tape's rule that may make its equation a decision node; every other
+#: equation is an ``op``, transposed (its cotangent keeps the scale it carries)
+CLASSIFY: dict[str, Callable[[_Tape, _Node, jcore.JaxprEqn, list[Any]], None]] = {
+    **dict.fromkeys(_WEIGHTED, _Tape._classify_layer),
+    "convert_element_type": _Tape._classify_cast,
+}
+
+#: per decision node's kind, the sweep's rule with a 16-bit and with an fp8 ``grad_format``
+SWEEP: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
+    "layer": (_Sweep._layer, _Sweep._layer_fp8),
+    "first": (_Sweep._layer_fp8, _Sweep._layer_fp8),  # fp8 only: its weight gradient's cast
+    "cast": (_Sweep._cast, _Sweep._cast),
+}
 
 
 def _chains(tape: _Tape) -> tuple[set[int], set[int]]:

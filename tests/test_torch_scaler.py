@@ -13,7 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch_models import MLP, make_case, xent
 
-from torch_bridge import AdaLossConfig, AdaLossScaler, _xp, decisions
+from adaloss import decisions
+from torch_bridge import AdaLossConfig, AdaLossScaler, _xp
 from torch_bridge import scaler as scaler_module
 from torch_bridge.fused import FusedMath
 
@@ -236,9 +237,9 @@ def test_host_math_and_device_math_decide_identically(name):
 
 class _SolverOps(TorchDispatchMode):
     """Counts the aten ops dispatched from the decisions' code (a frame of ``adaloss/solver.py``,
-    ``torch_bridge/decisions.py`` or ``torch_bridge/kernels.py`` on the stack) and all of them."""
+    ``adaloss/decisions.py`` or ``torch_bridge/kernels.py`` on the stack) and all of them."""
 
-    FILES = ("adaloss/solver.py", "torch_bridge/decisions.py", "torch_bridge/kernels.py")
+    FILES = ("adaloss/solver.py", "adaloss/decisions.py", "torch_bridge/kernels.py")
 
     def __init__(self):
         super().__init__()

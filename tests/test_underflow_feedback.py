@@ -270,7 +270,8 @@ def test_torch_cpu_counts_and_log_moments_are_the_comparisons_and_the_masked_log
     entries at u_min exactly), the same statistics as ``tensor_stats``, and log-moments equal to
     the solver's over the non-zero entries; so do the plain reductions ``fuse_decisions`` compiles
     (:mod:`torch_bridge.kernels`)."""
-    from torch_bridge import decisions, hooks, kernels
+    from adaloss import decisions
+    from torch_bridge import hooks, kernels
     from torch_bridge._xp import xp as torch_xp
 
     cfg = AdaLossConfig()

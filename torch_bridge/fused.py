@@ -6,7 +6,7 @@ aten ops, each a kernel launch, against a handful for the statistics it reads; o
 statistics' passes over the cotangent and the hooks' Python between them cost more than the
 math. A :class:`FusedMath` traces a pure function of tensors into an aten graph (``make_fx``
 on fake tensors: a branch on a value raises instead of being baked in) and compiles that
-graph with inductor: a decision's scalar math alone (:mod:`torch_bridge.decisions`, 0-d
+graph with inductor: a decision's scalar math alone (:mod:`adaloss.decisions`, 0-d
 tensors in and out: one kernel), or its whole work (:mod:`torch_bridge.kernels`: the
 statistics of its cotangent and activation, the math, the rescaled cotangent), which inductor
 fuses into a few loops over the tensors.

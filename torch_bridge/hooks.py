@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from adaloss import solver
+from adaloss import decisions, solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, weight_of
-from torch_bridge import decisions, kernels
+from torch_bridge import kernels
 from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
 from torch_bridge.fused import FusedMath
 from torch_bridge.graph import (
@@ -154,14 +154,14 @@ def tensor_stats(x: torch.Tensor, with_mean: bool = True) -> solver.TensorStats:
 
 
 def tensor_sums(x: torch.Tensor, with_mean: bool = True) -> decisions.Sums:
-    """The :class:`~torch_bridge.decisions.Sums` of ``x`` (:func:`tensor_stats` before the
+    """The :class:`~adaloss.decisions.Sums` of ``x`` (:func:`tensor_stats` before the
     divisions and conversions, which a decision makes)."""
     lo, hi = torch.aminmax(x)
     return decisions.Sums(torch.sum(x, dtype=_F32) if with_mean else None, _sum_of_squares(x), lo, hi)
 
 
 def weight_stats(weights: Sequence[torch.Tensor]) -> list[decisions.WeightStats]:
-    """Each weight's :class:`~torch_bridge.decisions.WeightStats`: on an accelerator three
+    """Each weight's :class:`~adaloss.decisions.WeightStats`: on an accelerator three
     ``_foreach`` calls for all the weights of one device and dtype (``‖W‖₂``, its square,
     ``max|W|``); on a CPU, where ``_foreach_norm`` is a loop of 16-bit norms (~4x slower than
     a dot of an fp32 copy), :func:`_sum_of_squares` and ``aminmax`` of each."""
@@ -221,7 +221,7 @@ def _min_max(x: torch.Tensor) -> solver.TensorStats:
 
 
 def log_sums(x: torch.Tensor) -> decisions.LogSums:
-    """The :class:`~torch_bridge.decisions.LogSums` of ``x`` (what
+    """The :class:`~adaloss.decisions.LogSums` of ``x`` (what
     :func:`adaloss.solver.log_stats_of_sums` takes, before conversions): torch's fused kernels
     (~3x faster on CPU than the solver's ops). One temporary (``|x|``, its log taken in place):
     on a CPU each fresh tensor of a cotangent's size costs its page faults (~0.5 ms for 2 MB),
@@ -385,11 +385,8 @@ def global_backward(plan: ScalePlan) -> str | None:
 
 
 def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
-    """The overflow limit of ``dtype``: its finfo max for fp32/fp64, the config's for 16-bit formats;
-    the fp8 format's for every dtype (the next layer quantizes what it receives)."""
-    if config.fp8:
-        return config.overflow_limit
-    return torch.finfo(dtype).max if dtype.itemsize > 2 else config.overflow_limit
+    """The overflow limit of a cotangent of ``dtype`` (:func:`adaloss.decisions.overflow_limit`)."""
+    return decisions.overflow_limit(config, dtype.itemsize, torch.finfo(dtype).max)
 
 
 class ScaledBackward:
@@ -663,7 +660,8 @@ class ScaledBackward:
             if got is not None:
                 return got
         extremes = [decisions.Sums(None, None, *torch.aminmax(t)) for t in tensors]
-        target, factors = self._math(decisions.merge, static, [s for _, s in parts], extremes, self.bo)
+        target, factors = self._math(decisions.merge_of_extremes, static, [s for _, s in parts], extremes,
+                                     self.bo)
         rescaled = [self._rescale(t, f) for t, f in zip(tensors, factors)]
         return (sum(rescaled[1:], rescaled[0]) if summed else rescaled), target  # (in order)
 
@@ -779,7 +777,7 @@ class ScaledBackward:
         return self._fuse and all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
     def _math(self, fn: Callable[..., Any], static: tuple[Any, ...], *args: Any) -> Any:
-        """``fn(*static, xp, *args)`` (a function of :mod:`torch_bridge.decisions`) in the pass's
+        """``fn(*static, xp, *args)`` (a function of :mod:`adaloss.decisions`) in the pass's
         scalar namespace, its 0-d tensor arguments (statistics just read) converted to it:
         compiled into one kernel (:attr:`fused`) where the decisions run on device tensors."""
         if self.sm is ON_TENSORS and self.fused is not None:

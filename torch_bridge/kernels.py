@@ -1,7 +1,7 @@
 """A decision's whole work as one pure function of its tensors, for ``fuse_decisions``.
 
 Each function reads the statistics of its tensors, makes the decision
-(:mod:`torch_bridge.decisions`, the solver's formulas) and returns the rescaled cotangents with
+(:mod:`adaloss.decisions`, the solver's formulas) and returns the rescaled cotangents with
 it: :class:`torch_bridge.fused.FusedMath` traces it once per signature and shape and inductor
 fuses the whole into a few loops over the tensors (one call from the hook, instead of a dozen
 reductions, the copies a CPU's eager statistics make, the math, and the rescale). The
@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from adaloss import solver
+from adaloss import decisions, solver
 from adaloss.config import AdaLossConfig
-from torch_bridge import decisions
 
 _F32 = torch.float32
 
@@ -34,7 +33,7 @@ def scaled(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def sums(x: torch.Tensor, with_mean: bool) -> decisions.Sums:
-    """``x``'s :class:`~torch_bridge.decisions.Sums` (``Σx`` only ``with_mean``)."""
+    """``x``'s :class:`~adaloss.decisions.Sums` (``Σx`` only ``with_mean``)."""
     w = x.to(_F32)
     lo, hi = torch.aminmax(x)
     return decisions.Sums(w.sum() if with_mean else None, w.square().sum(), lo, hi)
@@ -61,7 +60,7 @@ def counts(x: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def log_sums(x: torch.Tensor) -> decisions.LogSums:
-    """``x``'s :class:`~torch_bridge.decisions.LogSums`: the logs of its non-zero magnitudes
+    """``x``'s :class:`~adaloss.decisions.LogSums`: the logs of its non-zero magnitudes
     (zeros and NaN contribute 0, +inf the dtype's largest float, as ``nan_to_num`` maps them:
     written as a ``where``, which compiles to vector code where ``isnan`` does not)."""
     a = x.abs()
@@ -73,7 +72,7 @@ def log_sums(x: torch.Tensor) -> decisions.LogSums:
 
 
 def weight_sums(w: torch.Tensor) -> decisions.WeightStats:
-    """A weight's :class:`~torch_bridge.decisions.WeightStats` (``Σ W²``, min, max)."""
+    """A weight's :class:`~adaloss.decisions.WeightStats` (``Σ W²``, min, max)."""
     return decisions.WeightStats(w.to(_F32).square().sum(), *torch.aminmax(w))
 
 
@@ -107,7 +106,7 @@ def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | 
           weight_side: int, xp: Any, g: torch.Tensor, x: torch.Tensor | None, w: decisions.WeightStats | None,
           incoming: torch.Tensor, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
           behind: Sequence[Any]) -> tuple[torch.Tensor, decisions.LayerDecision]:
-    """A weighted layer's cotangent ``g`` times its decision (:func:`torch_bridge.decisions.layer`)
+    """A weighted layer's cotangent ``g`` times its decision (:func:`adaloss.decisions.layer`)
     and the decision, from the statistics of ``g``, its weight's (``w``, of ``w_size`` entries:
     :func:`weights`; None: the ``"gradient"`` model) and of its saved activation ``x`` (None: no
     16-bit weight gradient to cap; :func:`wgrad_columns`); without a cached σ the cotangent's full
@@ -128,7 +127,7 @@ def cast(config: AdaLossConfig, xp: Any, gs: Sequence[torch.Tensor], incoming: t
          cached_scale: Any, cached_logs: solver.LogStats | None, region: Any
          ) -> tuple[list[torch.Tensor], decisions.CastDecision]:
     """A narrowing cast's (or an opaque region's) cotangents ``gs`` times its decision
-    (:func:`torch_bridge.decisions.cast`, from the first one's :func:`log_sums`, or from ``cached_logs``
+    (:func:`adaloss.decisions.cast`, from the first one's :func:`log_sums`, or from ``cached_logs``
     and its current ``max|g|``) and the decision."""
     g = gs[0]
     if region is not None or cached_logs is None:
@@ -142,9 +141,9 @@ def cast(config: AdaLossConfig, xp: Any, gs: Sequence[torch.Tensor], incoming: t
 def merge(config: AdaLossConfig, limit: float, backed_off: bool, summed: bool, xp: Any,
           parts: Sequence[torch.Tensor], scales: Sequence[Any], backoff: Any) -> tuple[Any, Any]:
     """Contributions ``parts`` (carrying ``scales``) brought to their common scale
-    (:func:`torch_bridge.decisions.merge`): summed into one tensor (``summed``) or each rescaled, and the
-    common scale."""
-    target, factors = decisions.merge(config, limit, backed_off, xp, scales, [extremes(t) for t in parts],
-                                      backoff)
+    (:func:`adaloss.decisions.merge_of_extremes`): summed into one tensor (``summed``) or each
+    rescaled, and the common scale."""
+    target, factors = decisions.merge_of_extremes(config, limit, backed_off, xp, scales,
+                                                  [extremes(t) for t in parts], backoff)
     out = [scaled(t, f) for t, f in zip(parts, factors)]
     return (sum(out[1:], out[0]) if summed else out), target  # (summed in order)

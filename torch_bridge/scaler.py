@@ -38,10 +38,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from adaloss import skips, solver
+from adaloss import decisions, skips, solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
-from torch_bridge import decisions
 from torch_bridge._xp import xp
 from torch_bridge.fused import BACKENDS, FusedMath
 from torch_bridge.graph import ScalePlan, parameter_names

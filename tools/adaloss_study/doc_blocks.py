@@ -392,6 +392,47 @@ def torch_fp8(docs: Path) -> str:
     return "\n".join([head, "", gemm_table(payload), "", *gemm_summary(payload)])
 
 
+def _summary(fn: Callable[..., Any]) -> str:
+    """The first sentence of ``fn``'s docstring, on one line, its reST literals in Markdown."""
+    text = " ".join((fn.__doc__ or "").split()).replace("``", "`")
+    return re.sub(r":(func|meth|class):`~?([\w.]+)`", r"`\2`", text.split(". ")[0].rstrip("."))
+
+
+def rules(docs: Path) -> str:
+    """The rule tables each front dispatches on, read from the code (``docs`` unused): JAX's per
+    primitive and per decision kind (``jax_adaloss.backward``), torch's per autograd node name
+    (``torch_bridge.graph``)."""
+    from jax_adaloss import backward
+
+    try:
+        from torch_bridge import graph
+    except ImportError as e:
+        raise RuntimeError("the design page's rule table reads torch_bridge: "
+                           "pip install -e '.[torch]'") from e
+
+    def names(xs: Any) -> str:
+        return ", ".join(f"`{x}`" for x in sorted(xs))
+
+    rows = ["| front | matched by | what the backward does there | rule |", "|---|---|---|---|"]
+    by_rule: dict[Any, list[str]] = {}
+    for prim, rule in backward.CLASSIFY.items():
+        by_rule.setdefault(rule, []).append(prim)
+    for rule, prims in by_rule.items():
+        rows.append(f"| JAX | {names(prims)} | {_summary(rule)} | `_Tape.{rule.__name__}` |")
+    for kind, (wide, fp8) in backward.SWEEP.items():
+        rule = f"`_Sweep.{wide.__name__}`" + ("" if fp8 is wide else f"; fp8: `_Sweep.{fp8.__name__}`")
+        rows.append(f"| JAX | a `{kind}` node | {_summary(wide)} | {rule} |")
+    for what, xs in (("a layer: a matmul or convolution of a weight and data", [*graph._MATMUL, graph._CONV]),
+                     ("a cast: the cotangent narrowed", [graph._CAST]),
+                     ("a scalar factor: the scale lowered where the product would overflow",
+                      graph._SCALAR_OPERAND),
+                     ("an opaque region: one scale in, its dynamic scale out", graph._REGIONS),
+                     ("a normalization (fp8: the next cast fits its own tensor)", graph._NORMS),
+                     ("an indexed read (an embedding): how a weight is found", graph._LOOKUP)):
+        rows.append(f"| PyTorch | {names(xs)} | {what} | `torch_bridge/graph.py` |")
+    return "\n".join(rows)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "readme-results": readme_results,
     "study-cases": study_cases,
@@ -404,6 +445,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gpu-program": gpu_program,
     "fp8-depth": fp8_depth,
     "torch-fp8": torch_fp8,
+    "rules": rules,
 }
 
 

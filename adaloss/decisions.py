@@ -1,18 +1,39 @@
-"""The scalar math of the backward's decisions, one pure function per kind of decision.
+"""The backward's decisions, one pure function per kind of decision, for both fronts.
 
 Each takes its static arguments (hashable: the config, a fan-in, a size), an array namespace
-``xp`` and the statistics the hook read (0-d values of ``xp``, or ``None``), and returns the
-decision: the same :mod:`adaloss.solver` formulas on NumPy scalars (CPU host math), on 0-d
-device tensors, or traced and compiled into one kernel (:class:`torch_bridge.fused.FusedMath`).
+``xp`` and the statistics the front read (0-d values of ``xp``, or ``None``), and returns the
+decision. A front finds the layers, reads the statistics and applies the scales; what it
+decides from them is here: a weighted layer (:func:`layer_of_stats`), a narrowing cast
+(:func:`cast_of_logs`), a merge of contributions carrying different scales (:func:`merge`),
+the overflow limit of a dtype (:func:`overflow_limit`), the per-weight underflow signals of
+the feedback (:func:`signals`) and the state after a step (:func:`levels`).
+
+In JAX they are traced into the step. In PyTorch the same functions run on NumPy scalars
+(CPU host math), on 0-d device tensors, or traced and compiled into one kernel
+(:class:`torch_bridge.fused.FusedMath`); :class:`Sums`, :class:`LogSums` and
+:class:`WeightStats` are the reductions as torch's kernels give them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
+
+
+def overflow_limit(config: AdaLossConfig, itemsize: int, finfo_max: float, backoff: Any = None) -> Any:
+    """The largest magnitude a cotangent stored in a float dtype of ``itemsize`` bytes (its
+    largest finite value ``finfo_max``) may reach: with an fp8 ``grad_format`` the format's
+    (whatever the dtype: the next layer quantizes what it receives), fp32's or wider's own
+    ``finfo_max``, else (fp16, bf16) the config's ``overflow_limit``; the config's limit times
+    ``backoff`` (a 0-d value; None: no back-off)."""
+    if not config.fp8 and itemsize > 2:
+        return finfo_max
+    limit = config.overflow_limit
+    return limit if backoff is None else limit * backoff
 
 
 class Sums(NamedTuple):
@@ -88,17 +109,29 @@ def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | 
           size: Any, sums: Sums, w: WeightStats | None, sq_norms: tuple[Any, Any] | None, root_rows: Any,
           incoming: Any, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
           counts: tuple[Any, Any] | None, behind: Sequence[Any]) -> LayerDecision:
-    """A layer's decision (:func:`adaloss.solver.layer_scale`) from its cotangent's ``sums``
+    """:func:`layer_of_stats` from the reductions torch's kernels give: the cotangent's ``sums``
     (``size`` entries: a number, or an integer value of ``xp``), its weight's statistics ``w``
-    (``w_size`` entries), the largest squared column norms ``sq_norms`` of ``g`` and ``x`` for
-    the 16-bit weight gradient it computes over ``root_rows²`` rows
-    (:func:`adaloss.solver.weight_grad_cap`), the scale it receives and a cached statistical
-    scale; with ``counts`` (non-zero, below ``u_min``) the cotangent's subnormal fraction;
-    ``behind``: the ``limited`` flags of the decisions that set ``incoming``. The sizes are
-    arguments, not static: a cotangent's size follows the batch."""
+    (``w_size`` entries), and the largest squared column norms ``sq_norms`` of ``g`` and ``x``
+    for the 16-bit weight gradient it computes over ``root_rows²`` rows
+    (:func:`adaloss.solver.weight_grad_cap`). The sizes are arguments, not static: a
+    cotangent's size follows the batch."""
     g = normalized(sums, size, xp)
     cap = None if sq_norms is None else weight_grad_cap(config, wgrad_limit, xp, sq_norms, root_rows, backoff)
     w = None if w is None else weight_stats(w, w_size, xp)
+    return layer_of_stats(config, fan_in, xp, size, g, w, cap, incoming, backoff, lift, cached_scale,
+                          cached_sigma, counts, behind)
+
+
+def layer_of_stats(config: AdaLossConfig, fan_in: int, xp: Any, size: Any, g: solver.TensorStats,
+                   w: solver.TensorStats | None, cap: Any, incoming: Any, backoff: Any, lift: Any,
+                   cached_scale: Any, cached_sigma: Any, counts: tuple[Any, Any] | None,
+                   behind: Sequence[Any]) -> LayerDecision:
+    """A weighted layer's decision (:func:`adaloss.solver.layer_scale`) from the statistics of
+    its incoming cotangent ``g`` (``size`` entries) and of its weight ``w`` (None: the
+    ``"gradient"`` model), an extra cap (None: none), the scale it receives, the back-off and
+    the lift, and a cached statistical scale and spread (None: computed here); with ``counts``
+    (non-zero entries, entries below ``u_min``) the cotangent's subnormal fraction;
+    ``behind``: the ``limited`` flags of the decisions that set ``incoming``."""
     d = solver.layer_scale(config, g, w, fan_in, incoming, xp, cached_model_scale=cached_scale,
                            cached_sigma=cached_sigma, backoff=backoff, extra_cap=cap, lift=lift)
     absmax = solver.absmax(g, xp)
@@ -120,13 +153,21 @@ class CastDecision(NamedTuple):
 
 def cast(config: AdaLossConfig, xp: Any, sums: LogSums | None, cached_logs: solver.LogStats | None,
          incoming: Any, backoff: Any, cached_scale: Any, region: Any) -> CastDecision:
-    """A cast's decision (:func:`adaloss.solver.cast_scale`) from the :class:`LogSums` of
-    ``g`` or cached log-statistics (their ``absmax`` current, in ``g``'s dtype); with ``region``
-    (an opaque region's dynamic scale) at least ``region / incoming``."""
+    """:func:`cast_of_logs` from the :class:`LogSums` of ``g`` or cached log-statistics (their
+    ``absmax`` current, in ``g``'s dtype)."""
     if sums is None:
         ls = cached_logs._replace(absmax=xp.astype(cached_logs.absmax, xp.float32))
     else:
         ls = log_stats(sums, xp)
+    return cast_of_logs(config, xp, ls, incoming, backoff, cached_scale, region)
+
+
+def cast_of_logs(config: AdaLossConfig, xp: Any, ls: solver.LogStats, incoming: Any, backoff: Any,
+                 cached_scale: Any, region: Any = None) -> CastDecision:
+    """A narrowing cast's decision (:func:`adaloss.solver.cast_scale`) from the log-statistics
+    of its cotangent (``ls.absmax``: the current ``max|g|``, fp32) and a cached statistical
+    scale (None: computed here); with ``region`` (an opaque region's dynamic scale) at least
+    ``region / incoming``."""
     if region is not None:
         cached_scale = xp.maximum(solver.cast_model_scale(config, ls, xp, backoff), region / incoming)
     d = solver.cast_scale(config, ls, incoming, xp, cached_model_scale=cached_scale, backoff=backoff)
@@ -134,26 +175,44 @@ def cast(config: AdaLossConfig, xp: Any, sums: LogSums | None, cached_logs: solv
 
 
 def merge(config: AdaLossConfig, limit: float, backed_off: bool, xp: Any, scales: Sequence[Any],
-          parts: Sequence[Sums], backoff: Any) -> tuple[Any, list[Any]]:
-    """The common scale of contributions carrying ``scales`` whose min and max are ``parts``'s
-    (:func:`adaloss.solver.merge_scale`, below ``limit``, times ``backoff`` if ``backed_off``;
-    :func:`adaloss.solver.fp8_merge_scale` with an fp8 format), and each part's factor to it."""
-    absmax = [solver.absmax(normalized(t, 1, xp), xp) for t in parts]
+          absmaxes: Sequence[Any], backoff: Any) -> tuple[Any, list[Any]]:
+    """The common scale of contributions carrying ``scales`` whose ``max|x|`` (fp32) are
+    ``absmaxes`` (:func:`adaloss.solver.merge_scale`, below ``limit``, times ``backoff`` if
+    ``backed_off``; :func:`adaloss.solver.fp8_merge_scale` with an fp8 format), and each part's
+    factor to it."""
     if config.fp8:  # the sum goes to an fp8 cast: fitted to it
-        target = solver.fp8_merge_scale(config, scales, absmax, xp, backoff)
+        target = solver.fp8_merge_scale(config, scales, absmaxes, xp, backoff)
     else:
-        target = solver.merge_scale(scales, absmax, limit * backoff if backed_off else limit, xp)
+        target = solver.merge_scale(scales, absmaxes, limit * backoff if backed_off else limit, xp)
     return target, [target / s for s in scales]
 
 
+def wide_merge(scales: Sequence[Any], xp: Any) -> Any:
+    """The common scale of fp32 (or wider) contributions summed in their dtype: the largest,
+    :func:`adaloss.solver.merge_scale`'s pick wherever the sum is finite (a sum beyond fp32's
+    range skips the step, as any non-finite gradient does), with no pass over a part for its
+    max."""
+    return functools.reduce(xp.maximum, scales)
+
+
+def merge_of_extremes(config: AdaLossConfig, limit: float, backed_off: bool, xp: Any,
+                      scales: Sequence[Any], parts: Sequence[Sums], backoff: Any) -> tuple[Any, list[Any]]:
+    """:func:`merge` of parts whose min and max are ``parts``'s (:class:`Sums`)."""
+    absmaxes = [solver.absmax(normalized(t, 1, xp), xp) for t in parts]
+    return merge(config, limit, backed_off, xp, scales, absmaxes, backoff)
+
+
 def signals(config: AdaLossConfig, weights: tuple[str, ...], xp: Any,
-            fractions: Sequence[Sequence[Any]], limited: Sequence[Any]) -> list[Any]:
+            fractions: Sequence[Sequence[Any]], limited: Sequence[Any],
+            ratios: Sequence[tuple[str, Any]] = ()) -> list[Any]:
     """Per decision (``weights[i]`` its weight), :func:`adaloss.solver.underflow_ratio` of its
-    ``fractions`` held by its ``limited`` flag; a weight's decisions combined
+    ``fractions`` held by its ``limited`` flag, then ``ratios`` (``(weight, ratio)`` pairs
+    measured elsewhere: an opaque region's); a weight's combined
     (:func:`adaloss.solver.combine_signals`): one value per distinct weight, in first-seen order."""
     out: dict[str, Any] = {}
-    for w, fracs, lim in zip(weights, fractions, limited):
-        r = solver.underflow_ratio(fracs, lim, config, xp)
+    pairs = [(w, solver.underflow_ratio(fracs, lim, config, xp))
+             for w, fracs, lim in zip(weights, fractions, limited)]
+    for w, r in [*pairs, *ratios]:
         out[w] = r if w not in out else solver.combine_signals(config, out[w], r, xp)
     return list(out.values())
 
