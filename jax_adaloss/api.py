@@ -15,7 +15,7 @@ import optax
 from adaloss import solver
 from adaloss.config import AdaLossConfig
 from jax_adaloss import _nnx, reductions
-from jax_adaloss.backward import _is_float, scaled_backward
+from jax_adaloss.backward import REFERENCES, Reference, _is_float, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
 from jax_adaloss.scaled_grad import (
     NO_LAYER,
@@ -111,21 +111,25 @@ def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool 
     loop cannot skip every step silently); ``adaloss_state=None`` says that there is no state to
     pass (measurements, or training without back-off).
     """
-    return _value_and_grad(fun, argnums, has_aux, config, allow_int, return_report, capture_cotangents,
-                           adaptive=True, weights=weights, wrt=wrt)
+    return _value_and_grad(fun, argnums, has_aux, config=config, allow_int=allow_int,
+                           return_report=return_report, capture_cotangents=capture_cotangents,
+                           weights=weights, wrt=wrt)
 
 
-def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
-                    config: AdaLossConfig | None, allow_int: bool, return_report: bool,
-                    capture_cotangents: bool, adaptive: bool,
-                    weights: int | Sequence[int] | None = None, wrt: Any = None,
-                    fp32_backward: bool = False) -> Callable[..., Any]:
-    """:func:`value_and_grad`; ``adaptive=False`` scales by ``config.init_scale`` only
-    (a global loss scale, for measurements); with ``fp32_backward=True`` too, the backward
-    runs in fp32 (the low-precision forward's exact gradient: a reference)."""
+def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False, *,
+                    config: AdaLossConfig | None = None, allow_int: bool = False,
+                    return_report: bool = False, capture_cotangents: bool = False,
+                    reference: Reference | None = None, weights: int | Sequence[int] | None = None,
+                    wrt: Any = None) -> Callable[..., Any]:
+    """:func:`value_and_grad`, or with ``reference`` (:data:`~jax_adaloss.backward.REFERENCES`)
+    a backward that is not adaloss's, for measurements: ``"global"`` scales by
+    ``config.init_scale`` only (one global loss scale), ``"fp32"`` runs it in fp32 too (the
+    low-precision forward's exact gradient)."""
     config = AdaLossConfig() if config is None else config
     if not isinstance(config, AdaLossConfig):
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+    if reference is not None and reference not in REFERENCES:
+        raise ValueError(f"reference must be None (adaloss) or one of {REFERENCES}, got {reference!r}")
     nums, filters = _nnx.parse_argnums(argnums, wrt)
     if capture_cotangents and not return_report:
         raise ValueError("capture_cotangents=True needs return_report=True (they are in the report)")
@@ -179,7 +183,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         backoff_f, lift_f = backoff if backoff is not None else (None, None)
         outs, cts, report, signals, inverses, traces = scaled_backward(
-            closed, dyn_vals, diff, origins, config, cache, capture_cotangents, adaptive, fp32_backward,
+            closed, dyn_vals, diff, origins, config, cache, capture_cotangents, reference,
             backoff_f, lift_f, report=return_report)
         no_layer = None  # a leaf that is no layer's weight: only whether the loss was finite
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
@@ -200,7 +204,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums, has_aux: bool,
                 if ct is None:
                     grad_leaves[i] = ScaledGrad.of(jnp.zeros_like(leaf), jnp.ones((), jnp.float32), signal,
                                                    trace=trace)
-                elif adaptive and _narrows_to_fp16(ct[0], leaf):
+                elif reference is None and _narrows_to_fp16(ct[0], leaf):
                     value, scale = _fit_to_leaf(ct[0], ct[1], config, backoff_f)
                     grad_leaves[i] = ScaledGrad.of(value, scale, signal, trace=trace)
                 else:

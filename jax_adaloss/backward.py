@@ -49,7 +49,7 @@ import math
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,11 @@ from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
 from jax_adaloss.scaled_grad import rescale as _rescale
 from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, is_narrow_float, wide_vjp, widenable
+
+#: the backwards that are not adaloss's, for measurements (:func:`scaled_backward`): one global
+#: loss scale (``config.init_scale``), no decision; and the same computed in fp32
+REFERENCES = ("global", "fp32")
+Reference = Literal["global", "fp32"]
 
 _CONST = "<const>"  # origin of values computed from constants only
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -644,9 +649,13 @@ class _Sweep:
     """
 
     def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
-                 capture: bool = False, adaptive: bool = True, fp32: bool = False,
+                 capture: bool = False, reference: Reference | None = None,
                  backoff: Any = None, lift: Any = None, reporting: bool = True) -> None:
-        self.tape, self.config, self.fp32 = tape, config, fp32
+        self.tape, self.config = tape, config
+        # a reference backward (measurements) makes no decision: no rule for decision nodes
+        adaptive = reference is None
+        self.rules = SWEEP if adaptive else {}
+        self.fp32 = reference == "fp32"
         # per-layer reports (predicted underflow, held flags...): traced only when asked for
         self.reporting = reporting
         self.backoff = backoff  # 2^-h (fp32) from the back-off state, or None
@@ -682,10 +691,10 @@ class _Sweep:
         self.step = step
         # chains of elementwise 16-bit math with a nonlinear op (_chains): their equations, and
         # the slots inside them (computed by one of them and used by one: a fan-out merges its
-        # parts in 16 bits); none in measurements (adaptive=False)
+        # parts in 16 bits); none in a reference backward (measurements)
         self.dual: set[int] = set()  # id(node)
         self.chained: set[int] = set()
-        if adaptive and not fp32:
+        if adaptive:
             self.dual, self.chained = _chains(tape)
 
     def _settle(self, x: Any) -> Any:
@@ -822,7 +831,7 @@ class _Sweep:
             if node.kind != "op" and self.capture:
                 self.captured[node.name] = out_cts[0]
                 self.captured_scales[node.name] = scale
-            rule = SWEEP.get(node.kind) if self.adaptive else None
+            rule = self.rules.get(node.kind)
             if rule is not None:
                 rule[self.config.fp8](self, node, out_cts[0], scale)
             else:
@@ -920,7 +929,7 @@ class _Sweep:
             sub = _Tape(self.config, regions=True, remat=False)  # the body is re-run already
             slots = _body_slots(sub, r, c_i, x_i)
             ins, outs = slots[:len(r.inputs)], slots[len(r.inputs):]
-            sweep = _Sweep(sub, self.config, None, adaptive=True, backoff=self.backoff, lift=self.lift,
+            sweep = _Sweep(sub, self.config, None, backoff=self.backoff, lift=self.lift,
                            reporting=self.reporting)
             sweep.run([(outs[j], ct, s) for j, ct, s in zip(carry_js, cts, scales)]
                       + [(outs[j], ct, seeds[j][1]) for j, ct in zip(ys_js, y_cts)],
@@ -973,7 +982,7 @@ class _Sweep:
         outs = sub.run(r.body.jaxpr, [sub.slot(c, _CONST, False) for c in r.body.consts], slots)
         outer = self.tape, self.cts, self.dual, self.chained
         self.tape, self.cts = sub, defaultdict(list)
-        if self.adaptive and not self.fp32:  # (as __init__ finds them for its tape)
+        if self.adaptive:  # (as __init__ finds them for its tape)
             self.dual, self.chained = _chains(sub)
             self.chained -= set(outs)  # (each seeded)
         for s, g in zip(outs, got):
@@ -1567,8 +1576,8 @@ def _zero_ct(value: Any) -> Any:
 
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Sequence[bool],
                     origins: Sequence[str | None], config: AdaLossConfig,
-                    cache: ScaleCache | None, capture: bool = False, adaptive: bool = True,
-                    fp32: bool = False, backoff: Any = None, lift: dict[str, Any] | None = None,
+                    cache: ScaleCache | None, capture: bool = False, reference: Reference | None = None,
+                    backoff: Any = None, lift: dict[str, Any] | None = None,
                     report: bool = True
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any],
                                list[Any], dict[str, Any]]:
@@ -1577,9 +1586,9 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     ``diff[i]``: flat argument ``i`` is differentiated; ``origins[i]``: its weight name
     (``None``: data, differentiated or not). The jaxpr's constants (arrays the function
     closed over: an outer ``jit``'s batch) are data. ``capture`` keeps each layer's
-    incoming cotangent in the report; ``adaptive=False`` applies no per-layer scale
-    (one global scale: ``init_scale``); with ``fp32=True`` too, every cotangent is computed
-    in fp32 (the 16-bit forward's exact gradient, a reference for measurements). ``backoff``
+    incoming cotangent in the report; a ``reference`` (:data:`REFERENCES`) applies no per-layer
+    scale (one global scale: ``init_scale``); ``"fp32"`` computes every cotangent in fp32 too
+    (the 16-bit forward's exact gradient, a reference for measurements). ``backoff``
     (``2^-h``, fp32, or None) lowers every decision's target range; ``lift`` (weight name ->
     ``2^k``) raises the statistical scale of that weight's layer decisions. ``report=False``
     leaves the per-layer reports out (the caller discards them: less to trace and compile;
@@ -1590,6 +1599,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     flat argument ``1 / scale`` of its gradient where the backward computed it with the scale
     (else ``None``), and per weight the trace a skipped step keeps (:meth:`_Sweep.traces`).
     """
+    adaptive = reference is None
     tape = _Tape(config, regions=adaptive)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
     consts = [tape.slot(c, None, False) for c in jaxpr.consts]
@@ -1598,8 +1608,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
         names = sorted({o.split("/")[0] for o in origins if o is not None})
         tape.warn_coverage(f"weight leaves under {', '.join(names)}" if names else "no weight leaves")
     outs = [tape.values[s] for s in out_slots]
-    sweep = _Sweep(tape, config, cache, capture, adaptive, fp32=fp32 and not adaptive,
-                   backoff=backoff, lift=lift, reporting=report)
+    sweep = _Sweep(tape, config, cache, capture, reference, backoff=backoff, lift=lift, reporting=report)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))

@@ -27,7 +27,8 @@ from jax_adaloss.api import _value_and_grad
 def _jitted(fun: Callable[..., Any], argnums: int | tuple[int, ...], config: AdaLossConfig,
             adaptive: bool) -> Callable[..., Any]:
     """One compiled capturing backward per (function, argnums, config, mode)."""
-    return jax.jit(_value_and_grad(fun, argnums, False, config, False, True, True, adaptive=adaptive))
+    return jax.jit(_value_and_grad(fun, argnums, config=config, return_report=True, capture_cotangents=True,
+                                   reference=None if adaptive else "global"))
 
 
 def layer_cotangents(fun: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0,

@@ -91,8 +91,7 @@ def test_peaked_fp16_attention_keeps_its_query_and_key_gradients_with_no_decisio
     def loss(p, x, y):
         logits = model.apply(p, x).astype(jnp.float32)
         return 1e-4 * xent(logits, y)
-    exact = jax_adaloss.unscale_tree(jax.jit(_value_and_grad(
-        loss, 0, False, None, False, False, False, False, fp32_backward=True))(params, x, y)[1])
+    exact = jax_adaloss.unscale_tree(jax.jit(_value_and_grad(loss, reference="fp32"))(params, x, y)[1])
     scaled, report = jax.jit(jax_adaloss.grad(loss, return_report=True))(params, x, y)
     plain = jax.jit(jax.grad(loss))(params, x, y)
 

@@ -74,8 +74,7 @@ def test_a_weight_gradient_beyond_fp16_is_finite_and_accurate():
 def test_fp32_backward_reference_keeps_every_cotangent_in_fp32():
     from jax_adaloss.api import _value_and_grad
     params, loss = _lm(batch=16)
-    vg = _value_and_grad(lambda p: loss(p, jnp.float16), 0, False, None, False, False, False,
-                         adaptive=False, fp32_backward=True)
+    vg = _value_and_grad(lambda p: loss(p, jnp.float16), reference="fp32")
     _, grads = vg(params)
     # fp16 forward, fp32 backward: closer to fp32 than the fp16 backward is
     ref = jax.grad(loss)(params, jnp.float32)
@@ -84,6 +83,8 @@ def test_fp32_backward_reference_keeps_every_cotangent_in_fp32():
         exact = float(jnp.linalg.norm(grads[k].unscale() - ref[k]))
         rounded = float(jnp.linalg.norm(plain[k].astype(jnp.float32) - ref[k]))
         assert exact <= rounded, k
+    with pytest.raises(ValueError, match="reference must be None"):
+        _value_and_grad(lambda p: loss(p, jnp.float16), reference="fp16")
 
 
 @pytest.mark.parametrize("name, grad_format", [("mlp", "float16"), ("gpt", "float16"),

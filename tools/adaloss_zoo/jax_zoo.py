@@ -94,8 +94,7 @@ def _method_value_and_grad(method: str, factor: float, config: AdaLossConfig | N
                 return aux, jax.tree.map(lambda a: a / factor, jax_adaloss.unscale_tree(g)), rep
             return run
         if method == "reference":  # the same 16-bit forward, its backward in fp32
-            vg = _value_and_grad(lambda x: _times(loss(x), 1.0), 0, True, config, False, False, False,
-                                 adaptive=False, fp32_backward=True)
+            vg = _value_and_grad(lambda x: _times(loss(x), 1.0), 0, True, config=config, reference="fp32")
 
             def run_ref(x: Any) -> Any:
                 (_, aux), g = vg(x)
