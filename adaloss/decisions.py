@@ -137,10 +137,35 @@ def layer_of_stats(config: AdaLossConfig, fan_in: int, xp: Any, size: Any, g: so
     absmax = solver.absmax(g, xp)
     fraction = (None if counts is None
                 else solver.subnormal_fraction_of_counts(*counts, size, config, xp, absmax))
-    held = behind[0] if behind else None
-    for flag in behind[1:]:
+    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, _any(behind), absmax, fraction)
+
+
+def fp8_layer(config: AdaLossConfig, fan_in: int, carrier_max: float, xp: Any, g: solver.TensorStats,
+              w: solver.TensorStats, cap: Any, incoming: Any, backoff: Any, lift: Any, cached_scale: Any,
+              cached_sigma: Any, row_sq: Any, behind: Sequence[Any]) -> LayerDecision:
+    """A layer's decision with an fp8 ``grad_format`` (:func:`adaloss.solver.fp8_layer_scale`):
+    the scale of the output it sends on, from the statistics of its quantized incoming
+    cotangent ``g`` (``row_sq``: its largest row's mean square, read for a fresh σ) and of its
+    weight ``w``, ``carrier_max`` the largest value of the dtype the backward computes in,
+    ``cap`` a further cap (None: none). With ``fp8_rule="current"`` (the next cast fits its own
+    tensor) or without ``layer_rule`` (one scale, the loss cotangent's) the statistical scale is
+    1 and only the caps hold. ``behind``: the ``limited`` flags of the decisions that set
+    ``incoming``."""
+    if config.fp8_rule == "current" or not config.layer_rule:
+        cached_scale, cached_sigma = xp.ones_like(incoming), xp.zeros_like(incoming)
+    d = solver.fp8_layer_scale(config, g, w, fan_in, incoming, carrier_max, xp,
+                               cached_model_scale=cached_scale, cached_sigma=cached_sigma, backoff=backoff,
+                               lift=lift, extra_cap=cap, row_sq=row_sq)
+    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, _any(behind),
+                         solver.absmax(g, xp), None)
+
+
+def _any(flags: Sequence[Any]) -> Any:
+    """The logical or of ``flags`` (None for none)."""
+    held = flags[0] if flags else None
+    for flag in flags[1:]:
         held = held | flag
-    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, held, absmax, fraction)
+    return held
 
 
 class CastDecision(NamedTuple):

@@ -1163,26 +1163,22 @@ class _Sweep:
             return solver.fp8_model_scale(cfg, sigma, jnp, self.backoff, self._lift_of(node.name)), sigma
 
         # "current": the next cast fits its own tensor; no layer_rule: one global scale, the loss
-        # cotangent's (the cast-only ablation); the caps still hold
-        if not modelled:
-            s_model, sigma = jnp.ones((), _F32), jnp.zeros((), _F32)
-        else:
-            s_model, sigma = self._statistical(node.name, fresh)
+        # cotangent's (the cast-only ablation); the caps still hold (decisions.fp8_layer)
+        s_model, sigma = self._statistical(node.name, fresh) if modelled else (None, None)
         carrier_max = float(jnp.finfo(jnp.result_type(g)).max)
-        d = solver.fp8_layer_scale(cfg, q_ext, ws, node.fan_in, incoming, carrier_max, jnp,
-                                   cached_model_scale=s_model, cached_sigma=sigma, backoff=self.backoff)
-        scale, outgoing = self._settle((d.scale, incoming * d.scale))
-        d = d._replace(scale=scale)
+        dec = decisions.fp8_layer(cfg, node.fan_in, carrier_max, jnp, q_ext, ws, None, incoming, self.backoff,
+                                  None, s_model, sigma, None, [self.limited[n] for n in sorted(behind)])
+        scale, outgoing = self._settle((dec.d.scale, dec.outgoing))
+        d = dec.d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
         self._fit(outgoing)
-        self.limited[node.name] = d.unrounded < d.model_scale
+        self.limited[node.name] = dec.limited
         act_ct = self._input_grad(node, gq, d.scale, q)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if self.reporting:
             pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-            held = _any([self.limited[n] for n in sorted(behind)])
-            self._report(node, d, incoming, outgoing, pred, solver.absmax(q_ext, jnp), held, fractions,
-                         current)
+            held = False if dec.held is None else dec.held
+            self._report(node, d, incoming, outgoing, pred, dec.absmax, held, fractions, current)
 
     def _weight_grad(self, node: _Node, g: Any, q: Any = None) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
@@ -1525,14 +1521,6 @@ def _absmaxes(xs: list[Any]) -> list[Any]:
     if not reductions.fused():
         return [jnp.max(jnp.abs(x)).astype(_F32) for x in xs]  # in x's dtype, widened: exact
     return [s.absmax for s in reductions.statistics_of(xs)]
-
-
-def _any(flags: list[Any]) -> Any:
-    """Logical or of traced booleans (``False`` for none)."""
-    out: Any = False
-    for f in flags:
-        out = out | f
-    return out
 
 
 def _sum(xs: list[Any]) -> Any:

@@ -922,9 +922,8 @@ class ScaledBackward:
             d = solver.LayerScale(r, one, sx.zeros_like(incoming), r)
             kind = "first"
         else:
-            cached = self._cached(p.name)
-            if cfg.fp8_rule == "current" or not cfg.layer_rule:
-                cached = (sx.ones_like(incoming), sx.zeros_like(incoming))
+            modelled = cfg.fp8_rule != "current" and cfg.layer_rule  # else 1 (decisions.fp8_layer)
+            cached = self._cached(p.name) if modelled else None
             # E[g²] from the histogram; for a fresh decision, the largest row's
             # (solver.worst_row_sq_mean): one pass over the rows' sums of squares
             gs = solver.TensorStats(None, hist.sq_sum / gq.numel(), None, None, q_absmax)
@@ -932,16 +931,16 @@ class ScaledBackward:
             ws = (node._forward_cls.weight_statistics(node, self.sm) if node.name() == FP8_NODE
                   else self._stats(tensor_stats(self._weight(p), with_mean=False)))
             row_sq = None
-            if cached is None:
+            if modelled and cached is None:
                 rows = torch.linalg.vector_norm(gq, dim=p.feature_dim, dtype=_F32)
                 row_sq = self.sm.to_xp(rows.amax().square() / gq.shape[p.feature_dim])
-            d = solver.fp8_layer_scale(cfg, gs, ws, p.fan_in, incoming, torch.finfo(g.dtype).max, sx,
-                                       cached_model_scale=None if cached is None else cached[0],
-                                       cached_sigma=None if cached is None else cached[1], backoff=self.bo,
-                                       lift=self._lift_of(p.name, g), extra_cap=wcap, row_sq=row_sq)
+            s_model, sigma = (None, None) if cached is None else cached
+            dec = decisions.fp8_layer(cfg, p.fan_in, torch.finfo(g.dtype).max, sx, gs, ws, wcap, incoming,
+                                      self.bo, self._lift_of(p.name, g), s_model, sigma, row_sq, ())
+            d = dec.d
             self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
             self.deciders[p.send] = frozenset({p.name})
-            self.limited[p.name] = d.unrounded < d.model_scale
+            self.limited[p.name] = dec.limited
             kind = "layer"
         if kind == "first":
             self.deciders[p.send] = behind
