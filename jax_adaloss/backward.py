@@ -58,6 +58,7 @@ from jax.extend import core as jcore
 
 from adaloss import decisions, solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
+from adaloss.feedback import Feedback
 from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
 from jax_adaloss import reductions
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
@@ -663,11 +664,8 @@ class _Sweep:
         # id(scale) -> (scale, the layer decisions that set it): a decision's scale passes
         # through ops unchanged (the same object) and is merged into new ones
         self.deciders: dict[int, tuple[Any, frozenset[str]]] = {}
-        # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
-        self.fractions: dict[str, list[Any]] = defaultdict(list)
-        self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
+        self.feedback = Feedback()  # what each layer decision heard, and scans' ratios per weight
         self.unlifted: list[str] = []  # layer decisions whose weight the lift state lacks
-        self.region_signals: dict[str, list[Any]] = {}  # weight -> underflow ratios from scans
         # layer decisions in the order the sweep reaches them: (weight, position, whether the
         # incoming cotangent was finite), for the trace of a skipped step (traces)
         self.health: list[tuple[str, int, Any]] = []
@@ -965,7 +963,7 @@ class _Sweep:
                 ratio = jnp.where(jnp.min(ratio) < 0, jnp.min(ratio), jnp.max(ratio))
             else:
                 ratio = jnp.max(ratio)
-            self.region_signals.setdefault(w, []).append(ratio)
+            self.feedback.ratios.append((w, ratio))
 
     def _remat(self, node: _Node, got: list[tuple[Any, Any] | None]) -> None:
         """The backward of a ``jax.checkpoint`` region: its forward re-run from the saved inputs
@@ -1048,15 +1046,14 @@ class _Sweep:
         counts = (gs.nonzero, gs.below) if cfg.underflow_feedback else None
         dec = decisions.layer_of_stats(cfg, node.fan_in, jnp, gs.size, g_ext, w_ext, None, incoming,
                                        self.backoff, None, s_model, sigma, counts,
-                                       [self.limited[n] for n in behind])
+                                       self.feedback.flags(behind))
         if dec.fraction is not None:
-            for name in behind:
-                self.fractions[name].append(dec.fraction)
+            self.feedback.hear(behind, dec.fraction)
         self._checked(node.name, dec.absmax)
         scale, outgoing = self._settle((dec.d.scale, dec.outgoing))
         d = dec.d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
-        self.limited[node.name] = dec.limited
+        self.feedback.decided(node.name, dec.limited)
         act_ct = self._input_grad(node, g, d.scale)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if node.wgt >= 0:
@@ -1126,8 +1123,7 @@ class _Sweep:
         if cfg.underflow_feedback and behind:
             signal = solver.fp8_signal(cfg, *fractions, solver.absmax(q_ext, jnp), jax.scipy.special.erfinv,
                                        jnp)
-            for name in behind:
-                self.fractions[name].append(signal)
+            self.feedback.hear(behind, signal)
         return q, gq, q_ext, fractions
 
     def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
@@ -1167,12 +1163,12 @@ class _Sweep:
         s_model, sigma = self._statistical(node.name, fresh) if modelled else (None, None)
         carrier_max = float(jnp.finfo(jnp.result_type(g)).max)
         dec = decisions.fp8_layer(cfg, node.fan_in, carrier_max, jnp, q_ext, ws, None, incoming, self.backoff,
-                                  None, s_model, sigma, None, [self.limited[n] for n in sorted(behind)])
+                                  None, s_model, sigma, None, self.feedback.flags(behind))
         scale, outgoing = self._settle((dec.d.scale, dec.outgoing))
         d = dec.d._replace(scale=scale)
         self._decided(outgoing, frozenset({node.name}))
         self._fit(outgoing)
-        self.limited[node.name] = dec.limited
+        self.feedback.decided(node.name, dec.limited)
         act_ct = self._input_grad(node, gq, d.scale, q)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if self.reporting:
@@ -1275,12 +1271,9 @@ class _Sweep:
     def underflow_signals(self) -> dict[str, Any]:
         """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
         largest over a weight's uses), for the lift of :func:`jax_adaloss.adaloss`."""
-        names = list(self.fractions)
-        weights = tuple(weight_of(n) for n in names)
-        ratios = [(w, r) for w, rs in self.region_signals.items() for r in rs]
-        values = decisions.signals(self.config, weights, jnp, [self.fractions[n] for n in names],
-                                   [self.limited[n] for n in names], ratios)
-        return _materialized(dict(zip(dict.fromkeys([*weights, *(w for w, _ in ratios)]), values)))
+        weights, fractions, limited, ratios = self.feedback.signal_arguments(weight_of)
+        values = decisions.signals(self.config, weights, jnp, fractions, limited, ratios)
+        return _materialized(dict(zip(self.feedback.weights(weight_of), values)))
 
     def report(self) -> BackwardReport:
         cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)

@@ -35,6 +35,7 @@ import torch
 
 from adaloss import decisions, solver
 from adaloss.config import AdaLossConfig
+from adaloss.feedback import Feedback
 from adaloss.report import LayerReport, weight_of
 from torch_bridge import kernels
 from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
@@ -505,10 +506,8 @@ class ScaledBackward:
         self.regions: list[Any] = []  # outgoing scales of the opaque regions being run
         # scale symbol -> the layer decisions that set it (merges: those of their parts)
         self.deciders: dict[int, frozenset[str]] = {}
-        # layer decision -> fractions below u_min of the cotangents it scaled, entering layers
-        # (values of the scalar namespace)
-        self.fractions: dict[str, list[Any]] = defaultdict(list)
-        self.limited: dict[str, Any] = {}  # layer decision -> a cap or bound set its scale
+        # what each layer decision heard (values of the scalar namespace)
+        self.feedback = Feedback()
         self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
         # node index -> its weight's statistics and size (_weight_stats), for this backward
         self._weights: dict[int, tuple[decisions.WeightStats, int]] | None = None
@@ -527,13 +526,11 @@ class ScaledBackward:
 
     def _underflow_signals(self) -> dict[str, torch.Tensor]:
         """Per weight, :func:`adaloss.solver.underflow_ratio` of its decisions (fp32 0-d tensors)."""
-        names = list(self.fractions)
-        if not names:
+        weights, fractions, limited, _ = self.feedback.signal_arguments(weight_of)
+        if not weights:
             return {}
-        weights = tuple(weight_of(n) for n in names)
-        ratios = self._math(decisions.signals, (self.config, weights),
-                            [self.fractions[n] for n in names], [self.limited[n] for n in names])
-        return dict(zip(dict.fromkeys(weights), map(self.sm.to_torch, ratios)))
+        ratios = self._math(decisions.signals, (self.config, weights), fractions, limited)
+        return dict(zip(self.feedback.weights(weight_of), map(self.sm.to_torch, ratios)))
 
     # -- hooks --------------------------------------------------------------------
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -717,7 +714,7 @@ class ScaledBackward:
         cfg = self.config
         cached = self._cached(p.name)
         behind = sorted(self.deciders.get(p.sym, frozenset()))
-        limited = [self.limited[name] for name in behind]
+        limited = self.feedback.flags(behind)
         lift = self._lift_of(p.name, g)
         operand = self._wgrad_operand(p, g)
         got = None
@@ -735,10 +732,9 @@ class ScaledBackward:
             go[0], dec = got
         d = dec.d
         if dec.fraction is not None:
-            for name in behind:
-                self.fractions[name].append(dec.fraction)
+            self.feedback.hear(behind, dec.fraction)
         self.deciders[p.send] = frozenset({p.name})
-        self.limited[p.name] = dec.limited
+        self.feedback.decided(p.name, dec.limited)
         self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
         self.values[p.send] = dec.outgoing
         self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
@@ -940,13 +936,13 @@ class ScaledBackward:
             d = dec.d
             self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
             self.deciders[p.send] = frozenset({p.name})
-            self.limited[p.name] = dec.limited
+            self.feedback.decided(p.name, dec.limited)
             kind = "layer"
         if kind == "first":
             self.deciders[p.send] = behind
         held: Any = False
-        for name in sorted(behind):
-            held = held | self.limited[name]
+        for flag in self.feedback.flags(behind):
+            held = held | flag
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         self.fitted.add(p.send)
@@ -977,8 +973,7 @@ class ScaledBackward:
                 from scipy.special import erfinv
             with np.errstate(divide="ignore", invalid="ignore"):  # NumPy warns where torch gives ±inf
                 signal = solver.fp8_signal(cfg, *fractions, hist.absmax, erfinv, sm.xp)
-            for name in behind:
-                self.fractions[name].append(signal)
+            self.feedback.hear(behind, signal)
         return q, gq, hist, fractions
 
     def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
