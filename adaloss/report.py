@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from adaloss import solver
 from adaloss.config import AdaLossConfig
 
 Array = Any  # a 0-d array of the caller's framework
@@ -56,6 +57,29 @@ class LayerReport(NamedTuple):
     subnormal: Array | None = None
     saturated: Array | None = None
     current: Array | None = None
+
+
+def decision_report(config: AdaLossConfig, kind: str, d: Any, spread: Any, incoming: Array, outgoing: Array,
+                    absmax: Array, fan_in: int, held: Any, fractions: Any, current: Any,
+                    erf: Callable[[Array], Array], xp: Any) -> LayerReport:
+    """The :class:`LayerReport` of one decision of ``kind`` (``"layer"``, ``"first"``: an fp8
+    first layer's, ``"cast"``): ``d`` its :class:`adaloss.solver.LayerScale`, ``spread`` the
+    log-statistics a cast's model read (a layer's σ is ``d.sigma``), ``fractions`` an fp8
+    cast's (flushed, subnormal, saturated) or None. The predicted underflow is its model's at
+    the scale chosen (:func:`adaloss.solver.predicted_underflow`, ``_lognormal`` for a cast),
+    0 where no model set the scale (an fp8 cast fitted to its tensor's max, a first layer)."""
+    if config.fp8 and kind in ("cast", "first"):
+        pred = xp.zeros_like(d.scale)
+    elif kind == "cast":
+        pred = solver.predicted_underflow_lognormal(config, spread, d.scale, erf, xp)
+    else:
+        pred = solver.predicted_underflow(config, d.sigma, d.scale, erf, xp)
+    flushed, subnormal, saturated = fractions if fractions is not None else (None,) * 3
+    return LayerReport(scale=d.scale, model_scale=d.model_scale, sigma=d.sigma, incoming_scale=incoming,
+                       outgoing_scale=outgoing, predicted_underflow=pred, grad_absmax=absmax,
+                       fan_in=xp.asarray(fan_in, dtype=xp.int32), unrounded_scale=d.unrounded,
+                       incoming_held=xp.asarray(held), flushed=flushed, subnormal=subnormal,
+                       saturated=saturated, current=None if current is None else xp.asarray(current))
 
 
 def weight_of(decision: str) -> str:

@@ -59,7 +59,7 @@ from jax.extend import core as jcore
 from adaloss import decisions, solver
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
 from adaloss.feedback import Feedback
-from adaloss.report import AdaLossCoverageWarning, Coverage, warn_coverage, weight_of
+from adaloss.report import AdaLossCoverageWarning, Coverage, decision_report, warn_coverage, weight_of
 from jax_adaloss import reductions
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
@@ -1060,9 +1060,7 @@ class _Sweep:
             w_ct = self._weight_grad(node, g)
             self.cts[node.ins[node.diff[node.wgt]]].append((w_ct, incoming))
         if self.reporting:
-            pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-            held = False if dec.held is None else dec.held
-            self._report(node, d, incoming, outgoing, pred, dec.absmax, held)
+            self._report(node, d, None, incoming, outgoing, dec.absmax, dec.held)
 
     def _input_grad(self, node: _Node, g: Any, scale: Any, q: Any = None) -> Any:
         """The layer's input cotangent ``vjp_x(s·g)``. For a ``dot_general`` with power-of-two
@@ -1143,8 +1141,8 @@ class _Sweep:
             if self.reporting:
                 one = jnp.ones((), _F32)
                 d = solver.LayerScale(one, one, jnp.zeros((), _F32), one)
-                self._report(node, d, incoming, incoming, jnp.zeros((), _F32), solver.absmax(q_ext, jnp),
-                             False, fractions, current)
+                self._report(node, d, None, incoming, incoming, solver.absmax(q_ext, jnp), None, fractions,
+                             current)
             return
         weight = node.weight
         self._checked(node.name, solver.absmax(q_ext, jnp))
@@ -1172,9 +1170,7 @@ class _Sweep:
         act_ct = self._input_grad(node, gq, d.scale, q)
         self.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
         if self.reporting:
-            pred = solver.predicted_underflow(cfg, d.sigma, d.scale, jax.scipy.special.erf, jnp)
-            held = False if dec.held is None else dec.held
-            self._report(node, d, incoming, outgoing, pred, dec.absmax, held, fractions, current)
+            self._report(node, d, None, incoming, outgoing, dec.absmax, dec.held, fractions, current)
 
     def _weight_grad(self, node: _Node, g: Any, q: Any = None) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
@@ -1218,7 +1214,7 @@ class _Sweep:
             self.cts[node.ins[0]].append((ct, outgoing))
             self._fit(outgoing)
             if self.reporting:
-                self._report(node, d, incoming, outgoing, jnp.zeros((), _F32), m)
+                self._report(node, d, None, incoming, outgoing, m)
             return
 
         st = reductions.statistics(g, logs=True)
@@ -1234,20 +1230,14 @@ class _Sweep:
         (ct,) = node.vjp([_rescale(g, d.scale)])
         self.cts[node.ins[0]].append((ct, outgoing))
         if self.reporting:
-            pred = solver.predicted_underflow_lognormal(cfg, ls, d.scale, jax.scipy.special.erf, jnp)
-            self._report(node, d, incoming, outgoing, pred, ls.absmax)
+            self._report(node, d, ls, incoming, outgoing, ls.absmax)
 
-    def _report(self, node: _Node, d: solver.LayerScale, incoming: Any, outgoing: Any,
-                pred: Any, absmax: Any, held: Any = False, fractions: Any = None,
-                current: Any = None) -> None:
-        flushed, subnormal, saturated = fractions if fractions is not None else (None,) * 3
-        self.layers[node.name] = LayerReport(
-            scale=d.scale, model_scale=d.model_scale, sigma=d.sigma,
-            incoming_scale=incoming, outgoing_scale=outgoing, predicted_underflow=pred,
-            grad_absmax=absmax, fan_in=jnp.asarray(node.fan_in, jnp.int32),
-            unrounded_scale=d.unrounded, incoming_held=jnp.asarray(held), flushed=flushed,
-            subnormal=subnormal, saturated=saturated,
-            current=None if current is None else jnp.asarray(current))
+    def _report(self, node: _Node, d: solver.LayerScale, spread: Any, incoming: Any, outgoing: Any,
+                absmax: Any, held: Any = None, fractions: Any = None, current: Any = None) -> None:
+        """The node's :func:`adaloss.report.decision_report` (``held`` None: no decision behind)."""
+        self.layers[node.name] = decision_report(
+            self.config, node.kind, d, spread, incoming, outgoing, absmax, node.fan_in,
+            False if held is None else held, fractions, current, jax.scipy.special.erf, jnp)
 
     def _checked(self, decision: str, g_absmax: Any) -> None:
         """Record that the sweep reached ``decision`` with a cotangent whose ``max|g|`` is this."""

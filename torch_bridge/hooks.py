@@ -36,7 +36,7 @@ import torch
 from adaloss import decisions, solver
 from adaloss.config import AdaLossConfig
 from adaloss.feedback import Feedback
-from adaloss.report import LayerReport, weight_of
+from adaloss.report import LayerReport, decision_report, weight_of
 from torch_bridge import kernels
 from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
 from torch_bridge.fused import FusedMath
@@ -85,21 +85,10 @@ class _Decision(NamedTuple):
                          None if self.current is None else torch.as_tensor(bool(self.current)))
 
     def report(self, config: AdaLossConfig) -> LayerReport:
-        flushed, subnormal, saturated = self.fractions if self.fractions is not None else (None,) * 3
-        if config.fp8 and self.kind in ("cast", "first"):  # current scaling / no decision
-            pred = torch.zeros((), dtype=_F32)
-        elif self.kind == "cast":
-            pred = solver.predicted_underflow_lognormal(config, self.spread, self.d.scale,
-                                                        torch.special.erf, xp)
-        else:
-            pred = solver.predicted_underflow(config, self.d.sigma, self.d.scale,
-                                              torch.special.erf, xp)
-        return LayerReport(scale=self.d.scale, model_scale=self.d.model_scale, sigma=self.d.sigma,
-                           incoming_scale=self.incoming, outgoing_scale=self.outgoing,
-                           predicted_underflow=pred, grad_absmax=self.absmax,
-                           fan_in=torch.tensor(self.fan_in, dtype=torch.int32),
-                           unrounded_scale=self.d.unrounded, incoming_held=self.held, flushed=flushed,
-                           subnormal=subnormal, saturated=saturated, current=self.current)
+        """Its :func:`adaloss.report.decision_report` (values of torch: :meth:`to_torch`)."""
+        return decision_report(config, self.kind, self.d, self.spread, self.incoming, self.outgoing,
+                               self.absmax, self.fan_in, self.held, self.fractions, self.current,
+                               torch.special.erf, xp)
 
 
 @dataclasses.dataclass(frozen=True)
