@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
-from torch_bridge import hooks
+from torch_bridge import stats
 from torch_bridge._xp import np_xp, xp
 
 PATHS = {
@@ -110,7 +110,7 @@ TENSORS = {
 def _stats(path, g):
     if path == "torch":
         t = torch.from_numpy(g)
-        return hooks.tensor_stats(t), hooks.log_stats(t)
+        return stats.tensor_stats(t), stats.log_stats(t)
     ns = jnp if path == "jax" else np_xp
     a = jnp.asarray(g) if path == "jax" else g
     return solver.tensor_stats(a, ns), solver.log_stats(a, ns)

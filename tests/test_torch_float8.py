@@ -128,7 +128,7 @@ def test_fp8_histogram_and_counts_equal_reductions_of_the_tensor(fmt):
     zeros, subnormals, entries at and beyond the format's max and a NaN."""
     from adaloss import solver
     from torch_bridge._xp import ON_HOST, ON_TENSORS, xp
-    from torch_bridge.hooks import fp8_cast_counts, fp8_histogram
+    from torch_bridge.stats import fp8_cast_counts, fp8_histogram
     cfg = AdaLossConfig(grad_format=fmt)
     limit, u_min = cfg.overflow_limit, cfg.underflow_limit
     rng = np.random.default_rng(0)

@@ -271,7 +271,7 @@ def test_torch_cpu_counts_and_log_moments_are_the_comparisons_and_the_masked_log
     the solver's over the non-zero entries; so do the plain reductions ``fuse_decisions`` compiles
     (:mod:`torch_bridge.kernels`)."""
     from adaloss import decisions
-    from torch_bridge import hooks, kernels
+    from torch_bridge import kernels, stats
     from torch_bridge._xp import xp as torch_xp
 
     cfg = AdaLossConfig()
@@ -285,26 +285,26 @@ def test_torch_cpu_counts_and_log_moments_are_the_comparisons_and_the_masked_log
         want = (torch.count_nonzero(g), torch.count_nonzero(g.abs() < lim))
         assert 0 < int(want[1]) - (g.numel() - int(want[0])) < int(want[0])
         for with_mean in (False, True):
-            sums, counts = hooks.cotangent_stats(g, with_mean, lim, host=True)
-            stats = decisions.normalized(sums, g.numel(), torch_xp)
-            ref = hooks.tensor_stats(g, with_mean)
-            for got, exp in zip((*stats, *counts), (*ref, *want)):
+            sums, counts = stats.cotangent_stats(g, with_mean, lim, host=True)
+            got_stats = decisions.normalized(sums, g.numel(), torch_xp)
+            ref = stats.tensor_stats(g, with_mean)
+            for got, exp in zip((*got_stats, *counts), (*ref, *want)):
                 if exp is None:
                     assert got is None
                 else:  # bit for bit (NaN where the reference is NaN)
                     torch.testing.assert_close(torch.as_tensor(got).double(), torch.as_tensor(exp).double(),
                                                rtol=0, atol=0, equal_nan=True)
-        assert [float(c) for c in hooks.subnormal_counts(g, lim, host=True)] == [float(c) for c in want]
+        assert [float(c) for c in stats.subnormal_counts(g, lim, host=True)] == [float(c) for c in want]
         # what fuse_decisions compiles: the same counts (fp32 sums), the same sums to rounding
         assert [float(c) for c in kernels.counts(g, lim)] == [float(c) for c in want]
         fused = kernels.sums(g, True)
-        torch.testing.assert_close(torch.stack([*fused[2:]]), torch.stack([*hooks.tensor_sums(g)[2:]]),
+        torch.testing.assert_close(torch.stack([*fused[2:]]), torch.stack([*stats.tensor_sums(g)[2:]]),
                                    rtol=0, atol=0, equal_nan=True)  # min, max: NaN
         if dtype != torch.float32:  # (fp32's Σx² overflows to inf at the ±inf entries alike)
-            for got, exp in zip(fused[:2], hooks.tensor_sums(g)[:2]):
+            for got, exp in zip(fused[:2], stats.tensor_sums(g)[:2]):
                 assert float(got) == pytest.approx(float(exp), rel=1e-5, nan_ok=True)
         finite = torch.where(g.isfinite(), g, torch.zeros((), dtype=dtype)).float()  # a cast's fp32 g
         exp = solver.log_stats(finite.numpy(), np_xp)
-        for ls in (hooks.log_stats(finite), decisions.log_stats(kernels.log_sums(finite), torch_xp)):
+        for ls in (stats.log_stats(finite), decisions.log_stats(kernels.log_sums(finite), torch_xp)):
             for got, e in zip(ls, exp):
                 assert float(got) == pytest.approx(float(e), rel=1e-5)

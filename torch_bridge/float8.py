@@ -30,7 +30,8 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from torch_bridge._xp import ScalarMath, xp
 from torch_bridge.graph import FP8_NODE
-from torch_bridge.hooks import FP8_COTANGENT, _min_max, fp8_histogram
+from torch_bridge.hooks import FP8_COTANGENT
+from torch_bridge.stats import fp8_histogram, min_max
 
 _F32 = torch.float32
 assert FP8_NODE == "_Float8MatmulBackward"  # autograd's name for _Float8Matmul's node
@@ -51,7 +52,7 @@ def quantize(x: torch.Tensor, config: AdaLossConfig, fmt: str, limit: float, sca
     :func:`adaloss.solver.operand_scale`), saturating (:func:`adaloss.solver.to_fp8`), and that
     scale as a 0-d fp32 tensor: ``x ≈ q / s``."""
     if scale is None:
-        scale = solver.operand_scale(config, solver.absmax(_min_max(x), xp), xp)  # one pass
+        scale = solver.operand_scale(config, solver.absmax(min_max(x), xp), xp)  # one pass
     # a power of two scales a 16-bit x exactly in its own dtype (one pass, no fp32 copy)
     y = x * scale if config.power_of_two and x.dtype.itemsize == 2 else x.to(_F32) * scale
     return solver.to_fp8(y, getattr(torch, fmt), limit, xp), scale
@@ -121,7 +122,7 @@ class _Float8Matmul(torch.autograd.Function):
     def weight_statistics(ctx: Any, sm: ScalarMath) -> solver.TensorStats:
         """``E[W²]`` and ``max|W|`` of the weight the forward multiplied (its fp8 values
         dequantized), what a decision reads of it, in ``sm``'s namespace: from the histogram of
-        the fp8 weight (:func:`torch_bridge.hooks.fp8_histogram`), not a widened copy."""
+        the fp8 weight (:func:`torch_bridge.stats.fp8_histogram`), not a widened copy."""
         _, qw, _, sw = ctx.saved_tensors
         config: AdaLossConfig = ctx.config
         h = fp8_histogram(qw, 0.0, config.operand_limit, sm)

@@ -18,8 +18,9 @@ from adaloss.config import AdaLossConfig
 from adaloss.report import LayerUnderflow, compare_layers, measurement_config
 from torch_bridge._xp import xp
 from torch_bridge.graph import ScalePlan, parameter_names
-from torch_bridge.hooks import BackwardRecord, ScaledBackward, tensor_stats
+from torch_bridge.hooks import BackwardRecord, ScaledBackward
 from torch_bridge.scaler import AdaLossScaler
+from torch_bridge.stats import tensor_stats
 
 
 def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], *,
