@@ -15,7 +15,7 @@ import optax
 from adaloss import solver
 from adaloss.config import AdaLossConfig
 from jax_adaloss import _nnx, reductions
-from jax_adaloss.backward import REFERENCES, Reference, _is_float, scaled_backward
+from jax_adaloss.backward import REFERENCES, Reference, scaled_backward
 from jax_adaloss.report import BackwardReport, ScaleCache
 from jax_adaloss.scaled_grad import (
     NO_LAYER,
@@ -25,6 +25,7 @@ from jax_adaloss.scaled_grad import (
     rescale,
     trace_parts,
 )
+from jax_adaloss.weight_grads import is_float
 
 CACHE_KWARG = "adaloss_cache"
 STATE_KWARG = "adaloss_state"
@@ -152,11 +153,11 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool
             if in_args and argi in nums_pos:
                 leaf = _as_diff_leaf(leaf, path, allow_int)
                 flat[i] = leaf
-                is_float = _is_float(leaf.dtype)
+                floating = is_float(leaf.dtype)
                 dyn.append(i)
-                diff.append(is_float)
+                diff.append(floating)
                 origins.append(_leaf_name(argi, path[2:], prefixed=len(nums_pos) > 1)
-                               if is_float and argi in weight_pos else None)
+                               if floating and argi in weight_pos else None)
             elif _is_array(leaf):
                 dyn.append(i)
                 diff.append(False)
@@ -210,7 +211,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool
                 else:
                     grad_leaves[i] = ScaledGrad.of(jnp.asarray(ct[0]).astype(leaf.dtype), ct[1], signal,
                                                    inverse=inverse, trace=trace)
-            elif _is_array(leaf) and not _is_float(jnp.result_type(leaf)):
+            elif _is_array(leaf) and not is_float(jnp.result_type(leaf)):
                 grad_leaves[i] = np.zeros(np.shape(leaf), jax.dtypes.float0)
         grads_args, _ = jax.tree_util.tree_unflatten(treedef, grad_leaves)
         return outs[0], aux, grads_args, report
@@ -305,7 +306,7 @@ def _as_diff_leaf(leaf: Any, path: Any, allow_int: bool) -> jax.Array:
 def _check_diff_dtype(dtype: Any, allow_int: bool) -> None:
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(f"adaptive loss scaling supports real float inputs only, got {dtype}")
-    if not _is_float(dtype) and not (allow_int and (jnp.issubdtype(dtype, jnp.integer)
+    if not is_float(dtype) and not (allow_int and (jnp.issubdtype(dtype, jnp.integer)
                                                     or jnp.issubdtype(dtype, jnp.bool_))):
         raise TypeError(
             "grad requires real-valued inputs (input dtype that is a sub-dtype of np.floating), "
@@ -320,7 +321,7 @@ def _check_output(out: Any) -> None:
     if out.shape != ():
         raise TypeError("Gradient only defined for scalar-output functions. "
                         f"Output had shape: {out.shape}.")
-    if not _is_float(out.dtype):
+    if not is_float(out.dtype):
         raise TypeError(f"grad requires real-valued outputs (output dtype that is a sub-dtype "
                         f"of np.floating), but got {out.dtype}.")
 

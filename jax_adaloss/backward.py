@@ -1,51 +1,42 @@
-"""Scale-propagating backward pass over unmodified JAX functions.
+"""The reverse sweep of the scale-propagating backward over unmodified JAX functions.
 
-The function is traced to a jaxpr once; the forward pass re-binds each equation
-(recursing into nested ``jit``) and keeps a ``jax.vjp``
-per equation, so the reverse sweep is ours and knows, for every
-``dot_general``/``conv_general_dilated``, which operand is the weight:
+The forward pass (:mod:`jax_adaloss.trace`) re-binds each equation of the traced function
+with its ``jax.vjp`` and classifies it; the sweep here runs the vjps in reverse, carrying with
+each cotangent the scale it holds, and at each decision node applies the rule of
+:data:`SWEEP` (the decisions themselves: :mod:`adaloss.decisions`):
 
-- a *weight* is a value computed only from the differentiated arguments and
-  constants (fp16 casts, reshapes, transposes, masks included); an
-  *activation* depends on a non-differentiated argument (the batch);
-- a layer ``y = x·W`` with incoming cotangent ``g`` (scale ``P``) sends
-  ``vjp_x(s·g)`` (scale ``P·s``) to ``x`` and ``vjp_W(g)`` (scale ``P``) to ``W``,
-  ``s`` from :func:`adaloss.solver.layer_scale`;
-- a forward widening cast (e.g. fp16 logits → fp32 loss) is a narrowing cast
-  of the cotangent: its scale comes from the log-normal model before narrowing;
-- every other equation (activations, norms, softmax, attention products,
-  gathers, ``custom_jvp``/``custom_vjp`` functions, ``while``/``cond`` as one
-  opaque block) is linear in its cotangent and passes the scale through; a
-  multiplication by a scalar that can amplify a 16-bit cotangent (``x·c``, ``|c| > 1``;
-  ``x/c``, ``|c| < 1``) lowers it first (:func:`adaloss.solver.amplified_scale`);
-- a ``scan`` with layers inside is swept per iteration by a reverse ``scan`` that
-  re-runs the body (:class:`_ScanRegion`); a ``jax.checkpoint`` region is re-run in
-  the backward (rematerialised) and swept like inline code;
-- every decided scale and every merged 16-bit cotangent is materialised
-  (:func:`_settled`, :func:`_stored`), so that XLA does not recompute the chain of
-  decisions above each point: the compiled backward grows linearly with depth;
-- contributions to one value that carry different scales (residual stream,
-  q/k/v fan-out, tied weights) are merged by :func:`adaloss.solver.merge_scale`;
+- a layer ``y = x·W`` with incoming cotangent ``g`` (scale ``P``) sends ``vjp_x(s·g)``
+  (scale ``P·s``) to ``x`` and ``vjp_W(g)`` (scale ``P``) to ``W``;
+- a narrowing cast of the cotangent gets its scale from the log-normal model before
+  narrowing, unless every entry is already a value of the narrow format;
+- every other equation is linear in its cotangent and passes the scale through; a
+  multiplication by a scalar that can amplify a 16-bit cotangent lowers it first
+  (:func:`adaloss.solver.amplified_scale`);
+- a ``scan`` with layers inside is swept per iteration by a reverse ``scan`` that re-runs the
+  body (:class:`~jax_adaloss.trace.ScanRegion`); a ``jax.checkpoint`` region is re-run in the
+  backward (rematerialised) and swept like inline code;
+- every decided scale and every merged 16-bit cotangent is materialised (:func:`_settled`,
+  :func:`_stored`), so that XLA does not recompute the chain of decisions above each point:
+  the compiled backward grows linearly with depth;
+- contributions to one value that carry different scales (residual stream, q/k/v fan-out,
+  tied weights) are merged (:func:`adaloss.decisions.merge`);
 - with ``config.underflow_feedback`` each layer counts the fraction of its incoming
-  cotangent below u_min and reports it to the layer decisions that set the scale it
-  carries (through merges); the optax state's per-weight lift answers on the next step;
-- with an fp8 ``config.grad_format`` every layer (and every first layer, whose input needs
-  no gradient) quantizes its incoming cotangent to the format once, saturating, at the
-  scale it carries, and both backward GEMMs read that tensor (converted back, times the
-  layer's scale, then the dot: the pattern XLA's GPU rewriter makes FP8 GEMMs of); the
-  layer's decision sets its output's scale for the next layer's cast from statistics it
-  has before the dgrad GEMM runs. Only a cast no decision fitted (the first after the loss,
-  one after a normalization's 16-bit backward) reads its tensor's ``max|g|`` first (per-tensor
-  current scaling); a merge fits the sum of its branches from their maxima;
-- with ``config.operand_format`` every layer's input and weight are quantized to that format
-  (per-tensor current scaling) before its forward GEMM, which the vjp then differentiates.
+  cotangent below u_min and reports it to the layer decisions that set the scale it carries
+  (through merges, :class:`adaloss.feedback.Feedback`); the optax state's per-weight lift
+  answers on the next step;
+- with an fp8 ``config.grad_format`` every layer (and every first layer, whose input needs no
+  gradient) quantizes its incoming cotangent to the format once, saturating, at the scale it
+  carries, and both backward GEMMs read that tensor (converted back, times the layer's scale,
+  then the dot: the pattern XLA's GPU rewriter makes FP8 GEMMs of); the layer's decision sets
+  its output's scale for the next layer's cast from statistics it has before the dgrad GEMM
+  runs. Only a cast no decision fitted (the first after the loss, one after a
+  normalization's 16-bit backward) reads its tensor's ``max|g|`` first (per-tensor current
+  scaling); a merge fits the sum of its branches from their maxima.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -57,569 +48,28 @@ import numpy as np
 from jax.extend import core as jcore
 
 from adaloss import decisions, solver
-from adaloss.config import GRAD_FORMATS, AdaLossConfig
+from adaloss.config import AdaLossConfig
 from adaloss.feedback import Feedback
-from adaloss.report import AdaLossCoverageWarning, Coverage, decision_report, warn_coverage, weight_of
+from adaloss.report import AdaLossCoverageWarning, decision_report, weight_of
 from jax_adaloss import reductions
+from jax_adaloss.fp8_gemm import gemm_out
 from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
 from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
 from jax_adaloss.scaled_grad import rescale as _rescale
-from jax_adaloss.weight_grads import dot_operand_grad, dtype_of, is_narrow_float, wide_vjp, widenable
+from jax_adaloss.trace import CONST, EXACT_MOVES, NONLINEAR, Node, Tape, body_slots
+from jax_adaloss.weight_grads import (
+    dot_operand_grad,
+    dtype_of,
+    is_float,
+    wide_vjp,
+)
 
 #: the backwards that are not adaloss's, for measurements (:func:`scaled_backward`): one global
 #: loss scale (``config.init_scale``), no decision; and the same computed in fp32
 REFERENCES = ("global", "fp32")
 Reference = Literal["global", "fp32"]
 
-_CONST = "<const>"  # origin of values computed from constants only
-_INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-                 "core_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
-_WEIGHTED = ("dot_general", "conv_general_dilated", "ragged_dot_general")  # ragged: grouped matmuls (MoE)
-_REMAT = ("checkpoint", "remat2")
-_SCALAR_FACTOR = ("mul", "div")
-_KEEPS_VALUE = ("pvary", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-                "expand_dims", "copy", "copy_p")
-#: elementwise math whose result on known scalars is known too (:meth:`_Tape._evaluate`)
-_SCALAR_MATH = ("sqrt", "rsqrt", "exp", "log", "neg", "abs", "mul", "div", "add", "sub", "integer_pow",
-                "pow", "max", "min", "square")
-#: elementwise math whose backward, on 16-bit values, is also computed in fp32 where the 16-bit one
-#: is not finite (:meth:`_Sweep._elementwise`)
-_ELEMENTWISE = frozenset((
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log", "log1p",
-    "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "integer_pow", "pow", "square",
-    "select_n", "clamp"))
-#: of those, the ones an activation function is made of (the rest, arithmetic and selects alone,
-#: stays 16-bit: a score mask or a ``q / √d`` has no intermediate to overflow)
-_NONLINEAR = frozenset((
-    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos",
-    "tan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "integer_pow",
-    "pow"))
-#: equations whose transpose moves, copies or sums entries of one value into another's place, and
-#: casts: a cotangent whose entries are all values of a 16-bit format stays so through them
-#: (a ``broadcast_in_dim`` only where it adds unit axes: its transpose sums one entry each)
-_EXACT_MOVES = frozenset(("reshape", "squeeze", "expand_dims", "transpose", "reduce_sum", "copy", "copy_p",
-                          "rev", "broadcast_in_dim", "convert_element_type"))
 _F32 = jnp.float32
-
-
-def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _combine(origins: Sequence[str | None], sizes: Sequence[int], prim: str) -> str | None:
-    """Origin of an output: a weight name if the inputs are weights and constants (a
-    ``mul``/``div`` by a data scalar too: a scalar factor); ``_CONST`` if all are
-    constants; else ``None`` (data: any data operand, e.g. a matmul with the batch)."""
-    names = [o for o in origins if o is not None and o != _CONST]
-    if any(o is None for o in origins):
-        scalar_factor = prim in _SCALAR_FACTOR and names and all(
-            n == 1 for o, n in zip(origins, sizes) if o is None)
-        return names[0] if scalar_factor else None
-    return names[0] if names else _CONST
-
-
-@dataclasses.dataclass
-class _Node:
-    kind: str  # "op" | "layer" | "cast"
-    ins: list[int]
-    outs: list[int]
-    vjp: Callable[[list[Any]], tuple[Any, ...]] | None
-    diff: tuple[int, ...]  # input positions the vjp differentiates, in its output order
-    name: str = ""
-    act: int = -1  # index into ``diff`` of the activation operand
-    wgt: int = -1  # index into ``diff`` of the weight operand (-1: weight not differentiated)
-    weight: Any = None
-    fan_in: int = 1
-    feature_axes: tuple[int, ...] = ()  # a layer's output axes that come from the weight
-    eqn: Any = None  # (primitive, bind params, input values): to transpose it widened
-    wide: tuple[int, ...] = ()  # positions in ``diff`` whose cotangent goes to a weight
-    widenable: bool = False  # the equation can be re-bound on fp32 inputs
-    # elementwise math on 16-bit values (_ELEMENTWISE): its backward in fp32 too, where needed
-    elementwise: bool = False
-    region: _ScanRegion | None = None  # kind "scan": what its backward re-runs
-    axes: tuple[Any, ...] = ()  # a collective's named axes (its transpose moves cotangents across devices)
-    # a mul/div by a scalar that may amplify a 16-bit cotangent: the bound |c| or 1/|c|
-    factor: Any = None
-    # a normalization's 16-bit backward (x·rsqrt(v), x/sqrt(v), rsqrt(v) with v from the data):
-    # it may amplify the cotangent where no decision sees it (fp8: the next cast fits its own max)
-    norm: bool = False
-    # an operand_format ``dot_general`` layer: each operand in fp8 and its scale, ``((q, s),
-    # (q, s))``: the forward GEMM and both backward GEMMs multiply fp8 values (FP8 GEMMs)
-    fp8_operands: tuple[tuple[Any, Any], ...] | None = None
-
-
-@dataclasses.dataclass
-class _ScanRegion:
-    """A ``scan`` whose body holds layers: its backward is a reverse scan that re-runs the
-    body's forward for each iteration from the saved carry (rematerialised, as under
-    ``jax.checkpoint``) and sweeps it with per-iteration scale decisions."""
-
-    body: jcore.ClosedJaxpr
-    num_consts: int
-    num_carry: int
-    length: int
-    reverse: bool
-    unroll: Any
-    inputs: list[Any]  # the scan's operands: consts, initial carry, xs (stacked)
-    carries: list[Any]  # the carry entering each iteration, stacked
-    origins: list[str | None]  # of the operands
-    needs: list[bool]  # of the operands
-
-
-class _Tape:
-    """Forward pass that records a vjp per equation and each value's origin."""
-
-    def __init__(self, config: AdaLossConfig, regions: bool = False, remat: bool = True,
-                 parent: _Tape | None = None) -> None:
-        self.config = config
-        self.regions = regions  # scans with layers inside get per-iteration scales
-        self.remat = regions and remat  # jax.checkpoint regions are re-run in the backward
-        self.region_layers = 0  # layers found inside them
-        self._scans = 0
-        self.values: list[Any] = []
-        self.origin: list[str | None] = []
-        self.needs: list[bool] = []
-        self.nodes: list[_Node] = []
-        # name counters ("<cast>", "<const>": their numbers), shared with a remat region's
-        # tape (``parent``) so that its layers' names stay unique in one report
-        self._names: dict[str, int] = parent._names if parent is not None else defaultdict(int)
-        self._converts: dict[tuple[Any, ...], int] = {}  # (input slot, dtype, sharding) -> slot
-        self._fp8_operands: dict[int, tuple[Any, Any]] = {}  # slot -> its fp8 values and scale
-        self.grad_dtype = jnp.dtype(GRAD_FORMATS[config.grad_format])
-        self.fp8 = config.fp8  # layers quantize their incoming cotangent to grad_format
-        # layers quantize their input and weight to operand_format, forward and backward (only
-        # where the backward is adaptive: a reference's tape leaves the forward as it is)
-        self.operands = None if config.operand_format is None or not regions else \
-            jnp.dtype(GRAD_FORMATS[config.operand_format])
-        self.weighted_ops = 0  # matmuls/convolutions on the differentiated path
-        self.data_path_ops = 0  # of those, with a data operand that needs a gradient
-        self.opaque: list[tuple[str, int]] = []  # (primitive, matmuls inside) of opaque regions
-        self.missed: list[str] = []  # why a weighted op with a weight operand got no scale
-        # slot -> its value where a scalar is a constant known at trace time behind ops that
-        # keep it (``pvary`` under ``shard_map``, casts, reshapes): a factor's static bound
-        self.known: dict[int, float] = {}
-        # slots holding a normalizer: rsqrt (or sqrt, a divisor) of data, as computed or moved,
-        # cast, broadcast, or times weights (a norm's scale folded in)
-        self.normalizers: set[int] = set()
-        self.elementwise: set[int] = set()  # slots computed by elementwise 16-bit math
-
-    def slot(self, value: Any, origin: str | None, needs: bool) -> int:
-        self.values.append(value)
-        self.origin.append(origin)
-        self.needs.append(needs)
-        return len(self.values) - 1
-
-    def _count(self, key: str) -> int:
-        k = self._names[key]
-        self._names[key] += 1
-        return k
-
-    def _unique(self, name: str) -> str:
-        k = self._names[name]
-        self._names[name] += 1
-        return name if k == 0 else f"{name}@{k}"
-
-    def run(self, jaxpr: jcore.Jaxpr, const_slots: Sequence[int],
-            in_slots: Sequence[int]) -> list[int]:
-        env: dict[Any, int] = {}
-        env.update(zip(jaxpr.constvars, const_slots))
-        env.update(zip(jaxpr.invars, in_slots))
-
-        def read(atom: Any) -> int:
-            if isinstance(atom, jcore.Literal):
-                return self.slot(atom.val, _CONST, False)
-            return env[atom]
-
-        for eqn in jaxpr.eqns:
-            ins = [read(a) for a in eqn.invars]
-            prim = eqn.primitive.name
-            if prim in _REMAT and self.remat:
-                outs = self._remat(eqn, ins)
-            elif prim in _INLINE_PARAM:
-                sub = eqn.params[_INLINE_PARAM[prim]]
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    consts = [self.slot(c, _CONST, False) for c in sub.consts]
-                    sub = sub.jaxpr
-                else:
-                    consts = []
-                outs = self.run(sub, consts, ins)
-            elif prim == "scan" and self.regions and _weighted_inside(eqn.params):
-                outs = self._scan(eqn, ins)
-            elif prim == "convert_element_type" and not eqn.params.get("weak_type"):
-                # one value cast twice to the same dtype (flax's LayerNorm does) is
-                # one cast: its consumers' cotangents then share one scale decision
-                key = (ins[0], jnp.dtype(eqn.params["new_dtype"]), eqn.params.get("sharding"))
-                if key not in self._converts:
-                    self._converts[key] = self._bind(eqn, ins)[0]
-                outs = [self._converts[key]]
-            else:
-                outs = self._bind(eqn, ins)
-            for var, s in zip(eqn.outvars, outs):
-                env[var] = s
-        return [read(a) for a in jaxpr.outvars]
-
-    def _layer_operands(self, prim: str, ins: list[int]) -> tuple[int, int] | None:
-        """``(weight position, activation position)`` of a matmul/convolution with exactly one
-        operand computed from the weights alone; ``None`` for other equations."""
-        if prim not in _WEIGHTED or len(ins) != (3 if prim == "ragged_dot_general" else 2):
-            return None
-        weights = [i for i in (0, 1) if self.origin[ins[i]] is not None]
-        return (weights[0], 1 - weights[0]) if len(weights) == 1 else None
-
-    def _bind(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
-        prim = eqn.primitive
-        params = prim.get_bind_params(eqn.params)
-        vals = [self.values[s] for s in ins]
-        fp8_operands = None
-        if self.operands is not None and self._layer_operands(prim.name, ins) is not None:
-            # both operands as the fp8 GEMM reads them; the vjp below takes the quantized values
-            # as its inputs, so their cotangents pass the quantization unchanged
-            if prim.name == "dot_general":  # each tensor quantized once (q, k, v share an input)
-                for slot, v in zip(ins[:2], vals[:2]):
-                    if slot not in self._fp8_operands:
-                        self._fp8_operands[slot] = fp8_operand(v, self.config, self.operands)
-                fp8_operands = tuple(self._fp8_operands[slot] for slot in ins[:2])
-                vals[:2] = [dequantized(q, sc, dtype_of(v)) for (q, sc), v in zip(fp8_operands, vals[:2])]
-            else:
-                vals[:2] = [quantized_operand(v, self.config, self.operands) for v in vals[:2]]
-
-        def bind(*xs: Any) -> list[Any]:
-            out = prim.bind(*xs, **params)
-            return list(out) if prim.multiple_results else [out]
-
-        # stop_gradient: its output needs no gradient (a zero cotangent would still reach merges
-        # and casts, with a scale of its own)
-        diff = () if prim.name == "stop_gradient" else tuple(i for i, s in enumerate(ins) if self.needs[s])
-        if diff:
-            def f(*dx: Any) -> list[Any]:
-                xs = list(vals)
-                for i, x in zip(diff, dx):
-                    xs[i] = x
-                return bind(*xs)
-            out_vals, vjp = jax.vjp(f, *[vals[i] for i in diff])
-        else:
-            out_vals, vjp = bind(*vals), None
-        if fp8_operands is not None:  # the forward GEMM on the fp8 values themselves
-            out_vals = [fp8_dot(fp8_operands, params, dtype_of(out_vals[0]), self.config.power_of_two)]
-        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], prim.name)
-        outs = [self.slot(v, origin, bool(diff) and _is_float(jnp.result_type(v)))
-                for v in out_vals]
-        node = _Node("op", ins, outs, vjp, diff, eqn=(prim, params, vals), axes=_named_axes(eqn.params),
-                     fp8_operands=fp8_operands)
-        # normalizers are tracked through values that need no gradient too (running statistics)
-        node.norm = self._normalizes(prim.name, ins, outs, out_vals) and vjp is not None
-        if vjp is not None:
-            node.widenable = widenable(eqn.params)  # not the bind params: custom rules' are functions
-            if node.widenable:
-                # every cotangent bound for a weight: its incoming cotangent may already be
-                # fp32 (an fp32 master weight's cast receives one), which a transpose typed
-                # for the 16-bit output would narrow
-                node.wide = tuple(k for k, i in enumerate(diff)
-                                  if self.origin[ins[i]] not in (None, _CONST))
-            self._classify(node, eqn, vals)
-            node.factor = _amplification(prim.name, vals, [self.known.get(s) for s in ins], diff,
-                                         node.wide, out_vals)
-            if (node.kind == "op" and node.widenable and not node.wide and not node.axes
-                    and _narrow_elementwise(prim.name, vals, out_vals)):
-                node.elementwise = True
-                self.elementwise.update(outs)
-            self.nodes.append(node)
-        if prim.name in _KEEPS_VALUE and len(ins) == 1 and len(outs) == 1 and np.size(out_vals[0]) == 1:
-            c = vals[0] if not isinstance(vals[0], jax.core.Tracer) else self.known.get(ins[0])
-            if c is not None:
-                self.known[outs[0]] = float(np.asarray(c, np.float64).reshape(()))
-        elif prim.name in _SCALAR_MATH and len(outs) == 1 and np.size(out_vals[0]) == 1:
-            self._evaluate(eqn, ins, outs, vals)
-        return outs
-
-    def _evaluate(self, eqn: jcore.JaxprEqn, ins: list[int], outs: list[int], vals: list[Any]) -> None:
-        """Record the value of scalar math on known scalars (attention's ``1/sqrt(d)``,
-        computed in the trace): in the value's dtype, as the program computes it."""
-        cs = []
-        for v, s in zip(vals, ins):
-            c = v if not isinstance(v, jax.core.Tracer) else self.known.get(s)
-            if c is None or np.size(c) != 1:
-                return
-            cs.append(np.asarray(c, dtype_of(v)).reshape(np.shape(v)))
-        with jax.ensure_compile_time_eval():
-            out = eqn.primitive.bind(*cs, **eqn.params)
-        self.known[outs[0]] = float(np.asarray(out, np.float64).reshape(()))
-
-    def _normalizes(self, prim: str, ins: list[int], outs: list[int], out_vals: list[Any]) -> bool:
-        """Track normalizers (:attr:`normalizers`); whether this equation's backward is a
-        normalization's, in 16 bits (a narrower dtype: in fp32 a cast narrows the result, and a
-        cast reads its tensor anyway)."""
-        flagged = [s in self.normalizers for s in ins]
-        data = [self.origin[s] is None for s in ins]
-        narrow = len(outs) == 1 and _is_float(jnp.result_type(out_vals[0])) \
-            and jnp.dtype(jnp.result_type(out_vals[0])).itemsize <= 2
-        if prim in ("rsqrt", "sqrt") and data[0]:
-            self.normalizers.add(outs[0])
-            return narrow  # its own backward amplifies too (by r³/2, 1/(2·sqrt))
-        if not any(flagged) or len(outs) != 1:
-            return False
-        if prim in _KEEPS_VALUE or (prim == "mul" and not any(d and not f for d, f in zip(data, flagged))):
-            self.normalizers.add(outs[0])  # moved, or times weights and constants only
-            return False
-        divisor = prim == "div" and flagged[1] and not flagged[0]
-        return narrow and (prim == "mul" or divisor)
-
-    def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
-        """Run a ``scan`` forward, keeping the carry that enters each iteration."""
-        p = eqn.params
-        body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
-        vals = [self.values[s] for s in ins]
-        consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
-        needs = [self.needs[s] for s in ins]
-        region = _ScanRegion(body, nc, nk, p["length"], p["reverse"], p["unroll"], vals, [],
-                             [self.origin[s] for s in ins], needs)
-        run_body = jcore.jaxpr_as_fun(body)
-
-        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-            if self.operands is not None:  # the body's layers quantize as its backward's re-run does
-                sub = _Tape(self.config, regions=True, remat=False)
-                out = [sub.values[k] for k in _body_slots(sub, region, carry, x)[len(vals):]]
-            else:
-                out = run_body(*consts, *carry, *x)
-            return list(out[:nk]), (list(out[nk:]), list(carry))
-
-        final, (ys, carries) = jax.lax.scan(step, list(init), list(xs), length=p["length"],
-                                            reverse=p["reverse"], unroll=p["unroll"])
-        region.carries = carries
-        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "scan")
-        outs = [self.slot(v, origin, any(needs) and _is_float(jnp.result_type(v)))
-                for v in [*final, *ys]]
-        diff = tuple(i for i, n in enumerate(needs) if n)
-        if diff:
-            self._survey(region)
-            self.nodes.append(_Node("scan", ins, outs, None, diff, name=f"scan:{self._scans}",
-                                    region=region))
-            self._scans += 1
-        return outs
-
-    def _remat(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
-        """A ``jax.checkpoint`` region: its outputs now; its forward again in the backward."""
-        body = eqn.params["jaxpr"]
-        body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
-        vals = [self.values[s] for s in ins]
-        needs = [self.needs[s] for s in ins]
-        if self.operands is not None:  # the body's layers quantize as its backward's re-run does
-            sub = _Tape(self.config, regions=True)
-            slots = [sub.slot(v, self.origin[s], n) for v, s, n in zip(vals, ins, needs)]
-            outs = sub.run(body.jaxpr, [sub.slot(c, _CONST, False) for c in body.consts], slots)
-            out_vals = [sub.values[k] for k in outs]
-        else:
-            out_vals = jcore.jaxpr_as_fun(body)(*vals)
-        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "remat")
-        outs = [self.slot(v, origin, any(needs) and _is_float(jnp.result_type(v))) for v in out_vals]
-        region = _ScanRegion(body, len(vals), 0, 1, False, 1, vals, [],
-                             [self.origin[s] for s in ins], needs)
-        diff = tuple(i for i, n in enumerate(needs) if n)
-        if diff:
-            self._survey(region)
-            self.nodes.append(_Node("remat", ins, outs, None, diff, region=region))
-        return outs
-
-    def _survey(self, r: _ScanRegion) -> None:
-        """Trace one iteration of the body (XLA drops it: nothing uses it) to count its layers
-        and check its formats now, before the backward."""
-        sub = _Tape(self.config, regions=True, remat=False)
-        _body_slots(sub, r, r.inputs[r.num_consts:r.num_consts + r.num_carry],
-                    [x[0] for x in r.inputs[r.num_consts + r.num_carry:]])
-        self.weighted_ops += sub.weighted_ops
-        self.data_path_ops += sub.data_path_ops
-        self.opaque += sub.opaque
-        self.missed += sub.missed
-        self.region_layers += sub.layers_found
-
-    def _classify(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
-        """What the sweep does at ``eqn``: the rule of :data:`CLASSIFY` for its primitive may make
-        it a decision node (a layer, a first layer, a cast); any other stays an ``op``."""
-        prim = eqn.primitive.name
-        inner = _weighted_inside(eqn.params)
-        if inner:  # scan/while/cond or a custom rule: no per-layer scale inside
-            self.opaque.append((prim, inner))
-        rule = CLASSIFY.get(prim)
-        if rule is not None:
-            rule(self, node, eqn, vals)
-
-    def _classify_layer(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
-        """A matmul or convolution of a weight and data: a layer (``first`` where the data needs no
-        gradient), named for its weight."""
-        prim = eqn.primitive.name
-        if len(node.ins) != (3 if prim == "ragged_dot_general" else 2):
-            return
-        origins = [self.origin[s] for s in node.ins]
-        self.weighted_ops += 1
-        if any(o is None and i in node.diff for i, o in enumerate(origins)):
-            self.data_path_ops += 1
-        operands = self._layer_operands(prim, node.ins)
-        if operands is None:
-            return  # data·data (attention) or weight·weight (a factored weight)
-        w, x = operands
-        first = x not in node.diff  # the first layer: its input needs no gradient
-        if first and not (self.fp8 and w in node.diff):
-            return
-        if prim == "conv_general_dilated" and w != 1:
-            self.missed.append("a convolution whose weight is its lhs operand")
-            return
-        name = origins[w]
-        if name == _CONST:
-            name = f"const:{self._count('<const>')}"
-        # an fp8 first layer quantizes its cotangent for its weight gradient; no decision
-        node.kind, node.name = ("first" if first else "layer"), self._unique(name)
-        node.act = -1 if first else node.diff.index(x)
-        node.wgt = node.diff.index(w) if w in node.diff else -1
-        node.weight = vals[w]
-        node.fan_in = _fan_in(eqn, w, np.shape(vals[w]))
-        node.feature_axes = _feature_axes(eqn, w, np.ndim(vals[0]), np.ndim(vals[1]))
-        self._check_format(jnp.result_type(self.values[node.outs[0]]), f"layer {node.name}")
-
-    def _classify_cast(self, node: _Node, eqn: jcore.JaxprEqn, vals: list[Any]) -> None:
-        """A 16-bit float widened on the data path: its cotangent is narrowed back, a cast."""
-        if self.config.cast_rule and node.diff == (0,) and self.origin[node.ins[0]] is None:
-            src = jnp.dtype(jnp.result_type(vals[0]))
-            dst = jnp.dtype(eqn.params["new_dtype"])
-            if _is_float(src) and _is_float(dst) and src.itemsize < dst.itemsize <= 8 \
-                    and src.itemsize <= 2:
-                node.kind, node.name = "cast", f"cast:{self._count('<cast>')}"
-                self._check_format(src, f"{node.name} (a {dst.name} → {src.name} cotangent cast)")
-
-    def _check_format(self, dtype: Any, where: str) -> None:
-        """A cotangent in a 16-bit (or narrower) float format must be ``config.grad_format``."""
-        dtype = jnp.dtype(dtype)
-        if self.fp8:  # the layers quantize whatever dtype the model's backward runs in
-            return
-        if dtype.itemsize <= 2 and dtype != self.grad_dtype:
-            raise ValueError(
-                f"AdaLossConfig.grad_format={self.config.grad_format!r}, but the cotangent of {where} "
-                f"is {dtype.name}: its limits (u_min, u_max) would be wrong. Set "
-                f"AdaLossConfig(grad_format={dtype.name!r}).")
-
-    def coverage(self) -> Coverage:
-        # one entry per layer report: an fp8 first layer quantizes the cotangent of its weight
-        # gradient and reports it
-        first = sum(1 for n in self.nodes if n.kind == "first")
-        return Coverage(weighted_ops=self.weighted_ops, layers=self.layers_found + first,
-                        opaque_regions=len(self.opaque))
-
-    @property
-    def layers_found(self) -> int:
-        return sum(1 for n in self.nodes if n.kind == "layer") + self.region_layers
-
-    def warn_coverage(self, weight_args: str) -> None:
-        """Say once (per trace) when matmuls/convolutions that should scale do not."""
-        opaque = no_layer = None
-        if self.opaque:
-            kinds = "/".join(sorted({p for p, _ in self.opaque}))
-            opaque = (f"{sum(n for _, n in self.opaque)} matmul/convolution ops inside "
-                      f"{len(self.opaque)} {kinds} region(s) get no per-layer scale (the scale entering "
-                      "the region passes through it); unroll the loop or call the layers outside the "
-                      "region to scale them")
-        if self.layers_found == 0 and self.data_path_ops:
-            no_layer = (f"no layer found among {self.data_path_ops} matmul/convolution ops on the data "
-                        f"path: none has an operand computed from the weights alone ({weight_args}). If "
-                        "the weights are in another differentiated argument, pass weights=<its "
-                        "position>; weights passed as non-differentiated arguments, or transformed with "
-                        "the data, are data")
-        warn_coverage(opaque, self.missed, no_layer, stacklevel=4)
-
-
-def _body_slots(tape: _Tape, r: _ScanRegion, carry: Sequence[Any], x: Sequence[Any]) -> list[int]:
-    """Run a scan body on ``tape`` for one iteration (``carry``, ``x``: its values); returns
-    the input slots (consts, carry, xs) followed by the output slots (carry, ys). A slice of
-    a stacked weight is that weight; the carry needs a cotangent where any operand does."""
-    nc, nk = r.num_consts, r.num_carry
-    any_needs = any(r.needs)
-    slots = [tape.slot(v, r.origins[i], r.needs[i]) for i, v in enumerate(r.inputs[:nc])]
-    slots += [tape.slot(v, None, any_needs and _is_float(jnp.result_type(v))) for v in carry]
-    slots += [tape.slot(v, r.origins[nc + nk + i], r.needs[nc + nk + i]) for i, v in enumerate(x)]
-    consts = [tape.slot(c, _CONST, False) for c in r.body.consts]
-    return slots + tape.run(r.body.jaxpr, consts, slots)
-
-
-def _narrow_elementwise(prim: str, vals: list[Any], out_vals: list[Any]) -> bool:
-    """An elementwise equation (:data:`_ELEMENTWISE`) whose float operands and result are 16-bit
-    arrays of one shape (scalar operands aside)."""
-    if prim not in _ELEMENTWISE or len(out_vals) != 1:
-        return False
-    out = out_vals[0]
-    floats = [v for v in (*vals, out) if _is_float(jnp.result_type(v)) and np.ndim(v)]
-    return (is_narrow_float(dtype_of(out)) and all(is_narrow_float(dtype_of(v)) for v in floats)
-            and all(np.shape(v) == np.shape(out) for v in floats))
-
-
-def _amplification(prim: str, vals: list[Any], known: list[float | None], diff: tuple[int, ...],
-                   wide: tuple[int, ...], out_vals: list[Any]) -> Any:
-    """For ``x·c``, ``c·x`` or ``x/c`` with ``c`` a scalar and a 16-bit (or narrower) result: the
-    factor ``|c|`` (``1/|c|``) the backward multiplies ``x``'s cotangent by, where it may exceed
-    1 (always for a traced ``c`` not ``known`` at trace time: a learned logit scale); ``None``
-    elsewhere (``c/x`` is data-dependent: the back-off is its net)."""
-    if prim not in _SCALAR_FACTOR or len(vals) != 2 or len(out_vals) != 1:
-        return None
-    dtype = jnp.dtype(jnp.result_type(out_vals[0]))
-    if not _is_float(dtype) or dtype.itemsize > 2:
-        return None
-    sizes = [int(np.size(v)) for v in vals]
-    if sorted(sizes)[0] != 1 or sizes[0] == sizes[1]:
-        return None
-    j = sizes.index(1)  # the scalar
-    x = 1 - j
-    if x not in diff or diff.index(x) in wide or (prim == "div" and j == 0):
-        return None
-    c = vals[j] if not isinstance(vals[j], jax.core.Tracer) else known[j]
-    if c is not None:
-        bound = abs(float(np.asarray(c, np.float64).reshape(())))
-        bound = 1.0 / bound if prim == "div" and bound > 0 else (math.inf if prim == "div" else bound)
-        return bound if bound > 1.0 else None
-    c = jnp.abs(jnp.asarray(vals[j], _F32).reshape(()))
-    return 1.0 / c if prim == "div" else c
-
-
-def _weighted_inside(params: dict[str, Any]) -> int:
-    """Matmuls/convolutions in the sub-jaxprs of an equation's params (scan, while, cond,
-    custom_jvp/custom_vjp bodies), recursively."""
-    total = 0
-    for v in params.values():
-        for sub in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(sub, jcore.ClosedJaxpr):
-                sub = sub.jaxpr
-            if isinstance(sub, jcore.Jaxpr):
-                for e in sub.eqns:
-                    total += (e.primitive.name in _WEIGHTED) + _weighted_inside(e.params)
-    return total
-
-
-def _feature_axes(eqn: jcore.JaxprEqn, w: int, lhs_ndim: int, rhs_ndim: int) -> tuple[int, ...]:
-    """The axes of a layer's output that come from its weight operand ``w`` (its output features):
-    ``dot_general``'s output is (batch, lhs free, rhs free), a convolution's feature axis is its
-    ``out_spec[1]``, a ragged dot's output is ``[m, n]``."""
-    prim = eqn.primitive.name
-    if prim == "conv_general_dilated":
-        return (eqn.params["dimension_numbers"].out_spec[1],)
-    if prim == "ragged_dot_general":
-        return (-1,)
-    (contract, batch) = eqn.params["dimension_numbers"]
-    free = [nd - len(contract[i]) - len(batch[i]) for i, nd in enumerate((lhs_ndim, rhs_ndim))]
-    start = len(batch[0]) + (free[0] if w == 1 else 0)
-    return tuple(range(start, start + free[w]))
-
-
-def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
-    """Terms summed into each entry of the activation's gradient."""
-    if eqn.primitive.name == "dot_general":
-        (contract, batch) = eqn.params["dimension_numbers"]
-        skip = set(contract[w]) | set(batch[w])
-        return math.prod(d for i, d in enumerate(shape) if i not in skip)
-    if eqn.primitive.name == "ragged_dot_general":  # lhs [m, k] · rhs [groups, k, n]
-        nums = eqn.params["ragged_dot_dimension_numbers"]
-        (contract, batch) = nums.dot_dimension_numbers
-        skip = set(contract[w]) | set(batch[w]) | (set(nums.rhs_group_dimensions) if w == 1 else set())
-        return math.prod(d for i, d in enumerate(shape) if i not in skip)
-    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
-    groups = eqn.params["feature_group_count"]
-    return math.prod(shape) // shape[rhs_spec[1]] // groups
 
 
 class _Wide(NamedTuple):
@@ -635,7 +85,7 @@ def _narrow_part(ct: Any) -> Any:
 
 
 class _Sweep:
-    """Reverse sweep over a ``_Tape``: cotangents with the scales they carry.
+    """Reverse sweep over a ``Tape``: cotangents with the scales they carry.
 
     Elementwise 16-bit math (an activation's ``x·Φ(x)``, GELU's ``x³`` and ``tanh``) is
     differentiated one equation at a time, and its 16-bit intermediates can overflow where the
@@ -649,7 +99,7 @@ class _Sweep:
     chain's one fused kernel.
     """
 
-    def __init__(self, tape: _Tape, config: AdaLossConfig, cache: ScaleCache | None,
+    def __init__(self, tape: Tape, config: AdaLossConfig, cache: ScaleCache | None,
                  capture: bool = False, reference: Reference | None = None,
                  backoff: Any = None, lift: Any = None, reporting: bool = True) -> None:
         self.tape, self.config = tape, config
@@ -706,27 +156,27 @@ class _Sweep:
 
     def _exact_dtype(self, ct: Any) -> Any:
         """The 16-bit float dtype all of ``ct``'s entries are values of, or ``None``: its own, or,
-        for a wider cotangent, the one it was widened from (through :data:`_EXACT_MOVES`).
+        for a wider cotangent, the one it was widened from (through :data:`EXACT_MOVES`).
 
         ``jnp.sum`` of a 16-bit array widens it to fp32, sums and narrows the result back
         (``jax.nn.softmax``'s denominator, a mean, a LayerNorm's moments); in the backward the
         16-bit cotangent is widened, broadcast, and reaches the forward's widening cast, whose
         narrowing is then exact: no entry underflows or overflows, and no decision is needed."""
         dtype = jnp.dtype(jnp.result_type(ct))
-        if _is_float(dtype) and dtype.itemsize <= 2:
+        if is_float(dtype) and dtype.itemsize <= 2:
             return dtype
         got = self.exact.get(id(ct))
         return got[1] if got is not None and got[0] is ct else None
 
-    def _mark_exact(self, node: _Node, out_cts: list[Any], cts: Sequence[Any]) -> None:
-        """Record the input cotangent of a move or cast (:data:`_EXACT_MOVES`) as exact in the
+    def _mark_exact(self, node: Node, out_cts: list[Any], cts: Sequence[Any]) -> None:
+        """Record the input cotangent of a move or cast (:data:`EXACT_MOVES`) as exact in the
         16-bit dtype its output cotangent is exact in."""
         prim, _, vals = node.eqn
-        if prim.name not in _EXACT_MOVES or len(node.diff) != 1 or len(out_cts) != 1:
+        if prim.name not in EXACT_MOVES or len(node.diff) != 1 or len(out_cts) != 1:
             return
         dtype = self._exact_dtype(out_cts[0])
         ct = cts[0]
-        into = jnp.dtype(jnp.result_type(ct)) if _is_float(jnp.result_type(ct)) else None
+        into = jnp.dtype(jnp.result_type(ct)) if is_float(jnp.result_type(ct)) else None
         if dtype is None or into is None or (into != dtype and into.itemsize < 4):
             return
         if prim.name == "broadcast_in_dim" and np.size(vals[0]) != np.size(self.tape.values[node.outs[0]]):
@@ -809,7 +259,7 @@ class _Sweep:
             self._fit(seed_scale, i < len(fitted) and fitted[i])
         self._sweep(self.tape.nodes)
 
-    def _sweep(self, nodes: list[_Node]) -> None:
+    def _sweep(self, nodes: list[Node]) -> None:
         for node in reversed(nodes):
             got = [self.take(s) for s in node.outs]
             present = [g for g in got if g is not None]
@@ -848,7 +298,7 @@ class _Sweep:
 
     def _agree(self, cts: list[Any], scale: Any, axes: tuple[Any, ...]) -> tuple[list[Any], Any]:
         """:func:`agree_across`, the common scale decided by whoever decided ``scale``."""
-        floats = [c for c in cts if _is_float(jnp.result_type(c))]
+        floats = [c for c in cts if is_float(jnp.result_type(c))]
         cts, target = agree_across(cts, scale, axes, self._u_max(jnp.result_type(*floats)))
         self._decided(target, self._decided_by(scale))
         self._fit(target, self._is_fitted(scale))
@@ -866,7 +316,7 @@ class _Sweep:
             return [_Wide(_rescale(g.narrow, r), g.wide * r)], target
         return [_rescale(g, r)], target
 
-    def _elementwise(self, node: _Node, out_cts: list[Any]) -> list[Any]:
+    def _elementwise(self, node: Node, out_cts: list[Any]) -> list[Any]:
         """An elementwise 16-bit equation's input cotangents, in 16 bits and in fp32 (see the
         class docstring): a pair into the chain, the 16-bit one where finite out of it."""
         narrow = self._transpose(node, [_narrow_part(c) for c in out_cts])
@@ -879,7 +329,7 @@ class _Sweep:
                 out.append(jnp.where(jnp.isfinite(n), n, w.astype(dtype_of(n))))
         return out
 
-    def _transpose(self, node: _Node, out_cts: list[Any]) -> Sequence[Any]:
+    def _transpose(self, node: Node, out_cts: list[Any]) -> Sequence[Any]:
         """The node's input cotangents; those going to a weight in (at least) fp32
         (:mod:`jax_adaloss.weight_grads`), the others in their primal's dtype."""
         if self.fp32 and node.widenable:
@@ -896,7 +346,7 @@ class _Sweep:
             cts[k] = wide[k]
         return cts
 
-    def _scan(self, node: _Node, got: list[tuple[Any, Any] | None]) -> None:
+    def _scan(self, node: Node, got: list[tuple[Any, Any] | None]) -> None:
         """The backward of a scan region: a reverse scan whose body re-runs one iteration's
         forward and sweeps it; the carry's cotangents ride in the loop with their scales, each
         iteration's layers decide their own scales (stacked in the report), a stacked input's
@@ -924,8 +374,8 @@ class _Sweep:
         def back(carry: Any, inp: Any) -> Any:
             cts, scales, acc, acc_scales = carry
             x_i, c_i, y_cts = inp
-            sub = _Tape(self.config, regions=True, remat=False)  # the body is re-run already
-            slots = _body_slots(sub, r, c_i, x_i)
+            sub = Tape(self.config, regions=True, remat=False)  # the body is re-run already
+            slots = body_slots(sub, r, c_i, x_i)
             ins, outs = slots[:len(r.inputs)], slots[len(r.inputs):]
             sweep = _Sweep(sub, self.config, None, backoff=self.backoff, lift=self.lift,
                            reporting=self.reporting)
@@ -965,19 +415,19 @@ class _Sweep:
                 ratio = jnp.max(ratio)
             self.feedback.ratios.append((w, ratio))
 
-    def _remat(self, node: _Node, got: list[tuple[Any, Any] | None]) -> None:
+    def _remat(self, node: Node, got: list[tuple[Any, Any] | None]) -> None:
         """The backward of a ``jax.checkpoint`` region: its forward re-run from the saved inputs
         (behind an optimisation barrier, as ``jax.checkpoint`` does, so that XLA does not reuse
         the first forward) on a tape that shares this sweep's names, decisions and report."""
         r = node.region
         assert r is not None
-        sub = _Tape(self.config, regions=True, parent=self.tape)
+        sub = Tape(self.config, regions=True, parent=self.tape)
         inputs = list(r.inputs)
         arrays = [k for k, v in enumerate(inputs) if isinstance(v, jax.Array)]  # not literals
         for k, v in zip(arrays, jax.lax.optimization_barrier([inputs[k] for k in arrays])):
             inputs[k] = v
         slots = [sub.slot(v, o, n) for v, o, n in zip(inputs, r.origins, r.needs)]
-        outs = sub.run(r.body.jaxpr, [sub.slot(c, _CONST, False) for c in r.body.consts], slots)
+        outs = sub.run(r.body.jaxpr, [sub.slot(c, CONST, False) for c in r.body.consts], slots)
         outer = self.tape, self.cts, self.dual, self.chained
         self.tape, self.cts = sub, defaultdict(list)
         if self.adaptive:  # (as __init__ finds them for its tape)
@@ -1023,7 +473,7 @@ class _Sweep:
         self.model_scales[name], self.spreads[name] = out
         return out
 
-    def _layer(self, node: _Node, g: Any, incoming: Any) -> None:
+    def _layer(self, node: Node, g: Any, incoming: Any) -> None:
         """The layer's scale decided from its cotangent's and weight's statistics
         (:func:`adaloss.decisions.layer_of_stats`); its input gets ``vjp_x(s·g)``, carrying
         ``incoming·s``, its weight ``vjp_W(g)``, carrying ``incoming``."""
@@ -1062,7 +512,7 @@ class _Sweep:
         if self.reporting:
             self._report(node, d, None, incoming, outgoing, dec.absmax, dec.held)
 
-    def _input_grad(self, node: _Node, g: Any, scale: Any, q: Any = None) -> Any:
+    def _input_grad(self, node: Node, g: Any, scale: Any, q: Any = None) -> Any:
         """The layer's input cotangent ``vjp_x(s·g)``. For a ``dot_general`` with power-of-two
         scales, ``s·vjp_x(g)`` instead: the dot accumulated in fp32 (as a 16-bit dot is), times
         ``s``, rounded once to the input's dtype. Bitwise the same where the input is the dot's
@@ -1075,7 +525,7 @@ class _Sweep:
         if q is not None and node.fp8_operands is not None:  # an FP8 GEMM: q times the weight's fp8
             (qw, sw), (qx, _) = node.fp8_operands[1 - x], node.fp8_operands[x]
             out = dot_operand_grad(q, qw, qx, params["dimension_numbers"], x, params.get("precision"),
-                                   _gemm_out(dtype_of(vals[x]), self.config.power_of_two))
+                                   gemm_out(dtype_of(vals[x]), self.config.power_of_two))
             return (out * (scale / sw).astype(out.dtype)).astype(dtype_of(vals[x]))
         if prim.name != "dot_general" or not self.config.power_of_two:
             return node.vjp([_rescale(g, scale)])[node.act]
@@ -1124,7 +574,7 @@ class _Sweep:
             self.feedback.hear(behind, signal)
         return q, gq, q_ext, fractions
 
-    def _layer_fp8(self, node: _Node, g: Any, incoming: Any) -> None:
+    def _layer_fp8(self, node: Node, g: Any, incoming: Any) -> None:
         """The cotangent quantized to fp8 once, and the scale of the output decided before the
         GEMM computes it. A layer (or first layer) with an fp8 ``grad_format``: ``g`` (carrying
         ``incoming``) quantized once, saturating (:meth:`_quantize`); both GEMMs read it; the
@@ -1172,7 +622,7 @@ class _Sweep:
         if self.reporting:
             self._report(node, d, None, incoming, outgoing, dec.absmax, dec.held, fractions, current)
 
-    def _weight_grad(self, node: _Node, g: Any, q: Any = None) -> Any:
+    def _weight_grad(self, node: Node, g: Any, q: Any = None) -> Any:
         """The layer's weight cotangent (carrying the incoming scale); in fp32 for a 16-bit
         weight: a ``dot_general`` accumulates in fp32, a convolution runs widened. With fp8
         operands (``node.fp8_operands``) and ``q``, ``g`` in fp8, an FP8 GEMM of ``q`` and the
@@ -1194,7 +644,7 @@ class _Sweep:
                                     params.get("precision"))
         return wide_vjp(prim, params, vals, (w,))([g])[0]
 
-    def _cast(self, node: _Node, g: Any, incoming: Any) -> None:
+    def _cast(self, node: Node, g: Any, incoming: Any) -> None:
         """The cotangent narrowed at a scale decided from its log-statistics
         (:func:`adaloss.decisions.cast_of_logs`); none where it holds widened 16-bit values
         only, the fp8 format's fit where the gradient format is fp8."""
@@ -1232,7 +682,7 @@ class _Sweep:
         if self.reporting:
             self._report(node, d, ls, incoming, outgoing, ls.absmax)
 
-    def _report(self, node: _Node, d: solver.LayerScale, spread: Any, incoming: Any, outgoing: Any,
+    def _report(self, node: Node, d: solver.LayerScale, spread: Any, incoming: Any, outgoing: Any,
                 absmax: Any, held: Any = None, fractions: Any = None, current: Any = None) -> None:
         """The node's :func:`adaloss.report.decision_report` (``held`` None: no decision behind)."""
         self.layers[node.name] = decision_report(
@@ -1271,13 +721,6 @@ class _Sweep:
                               self.tape.coverage())
 
 
-#: per primitive, the tape's rule that may make its equation a decision node; every other
-#: equation is an ``op``, transposed (its cotangent keeps the scale it carries)
-CLASSIFY: dict[str, Callable[[_Tape, _Node, jcore.JaxprEqn, list[Any]], None]] = {
-    **dict.fromkeys(_WEIGHTED, _Tape._classify_layer),
-    "convert_element_type": _Tape._classify_cast,
-}
-
 #: per decision node's kind, the sweep's rule with a 16-bit and with an fp8 ``grad_format``
 SWEEP: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "layer": (_Sweep._layer, _Sweep._layer_fp8),
@@ -1286,11 +729,11 @@ SWEEP: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
 }
 
 
-def _chains(tape: _Tape) -> tuple[set[int], set[int]]:
+def _chains(tape: Tape) -> tuple[set[int], set[int]]:
     """The elementwise 16-bit equations differentiated in fp32 too (:meth:`_Sweep._elementwise`),
     by ``id``, and the slots inside their chains. A chain: elementwise equations joined by values
     that one computes and one other uses (nothing else does); those of several equations with a
-    nonlinear one (:data:`_NONLINEAR`: an activation function; one nonlinear equation alone, a
+    nonlinear one (:data:`NONLINEAR`: an activation function; one nonlinear equation alone, a
     softmax's ``exp``, has no 16-bit intermediate that its result does not have) are kept."""
     uses = Counter(node.ins[p] for node in tape.nodes for p in node.diff)
     producer = {s: node for node in tape.nodes if node.elementwise for s in node.outs}
@@ -1309,12 +752,12 @@ def _chains(tape: _Tape) -> tuple[set[int], set[int]]:
                 if node.ins[p] in inside:
                     root[find(id(node))] = find(id(producer[node.ins[p]]))
     size = Counter(find(k) for k in root)
-    nonlinear = {find(id(n)) for n in producer.values() if n.eqn[0].name in _NONLINEAR}
+    nonlinear = {find(id(n)) for n in producer.values() if n.eqn[0].name in NONLINEAR}
     dual = {k for k in root if find(k) in nonlinear and size[find(k)] > 1}
     return dual, {s for s in inside if id(producer[s]) in dual}
 
 
-def _take_along_transpose(node: _Node, cts: list[Any]) -> list[Any] | None:
+def _take_along_transpose(node: Node, cts: list[Any]) -> list[Any] | None:
     """The operand's cotangent of a ``gather`` that takes one entry per row along one axis
     (``jnp.take_along_axis`` with one index per row: a cross-entropy's label logit), as a dense
     select, ``where(iota == index, g, 0)``, instead of the transpose's scatter-add into zeros;
@@ -1354,7 +797,7 @@ def agree_across(cts: list[Any], scale: Any, axes: tuple[Any, ...], u_max: float
     power of two at which even their sum over the devices stays below ``u_max``. One
     all-reduce (a ``pmin`` of two scalars)."""
     s = jnp.asarray(scale, _F32)
-    floats = [c for c in cts if _is_float(jnp.result_type(c))]
+    floats = [c for c in cts if is_float(jnp.result_type(c))]
     m = jnp.max(jnp.stack([jnp.max(jnp.abs(c)).astype(_F32) for c in floats])) / s
     common, neg_m = jax.lax.pmin(jnp.stack([s, -m]), axes)
     total = -neg_m * jax.lax.psum(1, axes)  # |a sum over the devices| <= target · total
@@ -1362,20 +805,7 @@ def agree_across(cts: list[Any], scale: Any, axes: tuple[Any, ...], u_max: float
     quotient = jnp.asarray(u_max, _F32) / jnp.maximum(total, jnp.float32(2.0**-126))
     cap = solver.pow2_floor(jnp.minimum(quotient, jnp.float32(solver.F32_MAX)), jnp)
     target = _settled(jnp.where(total > 0, jnp.minimum(common, cap), common))
-    return [_rescale(c, target / s) if _is_float(jnp.result_type(c)) else c for c in cts], target
-
-
-def _named_axes(params: dict[str, Any]) -> tuple[Any, ...]:
-    """The named mesh axes a collective (``psum``, ``pvary``, ``ppermute``, ``all_gather``...)
-    communicates over; ``()`` for other equations (whose ``axes`` are positional ints)."""
-    for key in ("axes", "axis_name"):
-        v = params.get(key)
-        if v is None:
-            continue
-        names = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-        if names and not any(isinstance(a, (int, np.integer)) for a in names):
-            return names
-    return ()
+    return [_rescale(c, target / s) if is_float(jnp.result_type(c)) else c for c in cts], target
 
 
 def _settled(x: Any, inverses: dict[int, tuple[Any, Any]] | None = None) -> Any:
@@ -1441,56 +871,9 @@ def _stored(x: Any) -> Any:
     dtype with no product, the pass costs about half of a sum in fp32 on XLA:CPU
     (``lax.optimization_barrier`` does not do it: XLA:CPU removes it before fusion)."""
     dtype = jnp.result_type(x)
-    if not (_is_float(dtype) and dtype.itemsize <= 2):
+    if not (is_float(dtype) and dtype.itemsize <= 2):
         return x
     return jnp.max(jnp.stack([x, jnp.full_like(x, -jnp.inf)], axis=-1), axis=-1)
-
-
-def fp8_operand(x: Any, config: AdaLossConfig, dtype: Any) -> tuple[Any, Any]:
-    """A layer's input or weight in fp8 (``dtype``, ``config.operand_format``) at its own
-    per-tensor scale (:func:`adaloss.solver.operand_scale`, saturating), and that scale: ``x ≈
-    q / s``."""
-    s = solver.operand_scale(config, jnp.max(jnp.abs(x)).astype(_F32), jnp)
-    return solver.to_fp8(x.astype(_F32) * s, dtype, config.operand_limit, jnp), s
-
-
-def dequantized(q: Any, s: Any, dtype: Any) -> Any:
-    """``q / s`` in ``dtype``: exact (a power-of-two scale; every fp8 value is a 16-bit one)."""
-    return (q.astype(_F32) / s).astype(dtype)
-
-
-def _gemm_out(dtype: Any, power_of_two: bool) -> Any:
-    """What an FP8 GEMM returns before its scales are divided out: bf16 for a bf16 result with
-    power-of-two scales (exact: bf16 has fp32's range, so the scaled sums cannot overflow, and
-    a power of two leaves the rounding as it is); fp32 otherwise (an fp16 result: the scaled
-    sums may exceed 65504; other scales: divided in fp32, rounded once)."""
-    return dtype if power_of_two and jnp.dtype(dtype) == jnp.bfloat16 else _F32
-
-
-def fp8_dot(operands: tuple[tuple[Any, Any], ...], params: dict[str, Any], dtype: Any,
-            power_of_two: bool = True) -> Any:
-    """``dot_general`` of two fp8 operands ``((q, s), (q, s))`` with ``params``' dimensions:
-    accumulated in fp32, divided by both scales, in ``dtype`` (see ``_gemm_out``). XLA:GPU
-    makes it an FP8 GEMM (cuBLASLt f8, or a GEMM fusion whose dot takes the fp8 values);
-    XLA:CPU computes the products exactly, as the 16-bit dot of the dequantized values does."""
-    (a, sa), (b, sb) = operands
-    acc = _gemm_out(dtype, power_of_two)
-    out = jax.lax.dot_general(a, b, params["dimension_numbers"], precision=params.get("precision"),
-                              preferred_element_type=acc, out_sharding=params.get("out_sharding"))
-    return (out / (sa * sb).astype(acc)).astype(dtype)
-
-
-def quantized_operand(x: Any, config: AdaLossConfig, dtype: Any) -> Any:
-    """A layer's input or weight as a layer other than a ``dot_general`` (a convolution, a
-    ragged dot) reads it, in 16 bits on fp8 values: quantized to ``dtype``
-    (``config.operand_format``) at its own per-tensor scale (:func:`adaloss.solver.operand_scale`,
-    saturating) and converted back to ``x``'s dtype, exactly. Other inputs (integers: a ragged
-    dot's group sizes) are returned unchanged."""
-    if not _is_float(jnp.result_type(x)):
-        return x
-    q, s = fp8_operand(x, config, dtype)
-    # the barrier keeps XLA:GPU from folding the round trip away (see ``_quantize``)
-    return dequantized(jax.lax.optimization_barrier(q), s, jnp.result_type(x))
 
 
 def _absmax(x: Any) -> Any:
@@ -1517,7 +900,7 @@ def _like(ct: Any, value: Any) -> Any:
     """A float cotangent in its primal's dtype (a widened weight-path cotangent narrowed back
     for a transpose that expects the primal's dtype)."""
     dtype = jnp.result_type(value)
-    if _is_float(dtype) and jnp.result_type(ct) != dtype:
+    if is_float(dtype) and jnp.result_type(ct) != dtype:
         return ct.astype(dtype)
     return ct
 
@@ -1533,14 +916,14 @@ def _or_zero(got: tuple[Any, Any] | None, value: Any, dtype: Any) -> tuple[Any, 
 def _ct_dtype(value: Any, origin: str | None) -> Any:
     """The dtype a sweep gives the cotangent of ``value``: a 16-bit weight's in fp32."""
     dtype = jnp.result_type(value)
-    if origin not in (None, _CONST) and jnp.dtype(dtype).itemsize < 4:
+    if origin not in (None, CONST) and jnp.dtype(dtype).itemsize < 4:
         return jnp.promote_types(dtype, _F32)
     return dtype
 
 
 def _zero_ct(value: Any) -> Any:
     dtype = jnp.result_type(value)
-    if _is_float(dtype):
+    if is_float(dtype):
         return jnp.zeros(np.shape(value), dtype)
     return np.zeros(np.shape(value), jax.dtypes.float0)
 
@@ -1571,7 +954,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
     (else ``None``), and per weight the trace a skipped step keeps (:meth:`_Sweep.traces`).
     """
     adaptive = reference is None
-    tape = _Tape(config, regions=adaptive)
+    tape = Tape(config, regions=adaptive)
     in_slots = [tape.slot(a, o, d) for a, d, o in zip(flat_args, diff, origins)]
     consts = [tape.slot(c, None, False) for c in jaxpr.consts]
     out_slots = tape.run(jaxpr.jaxpr, consts, in_slots)

@@ -32,6 +32,11 @@ from jax.sharding import PartitionSpec as P
 _F32 = jnp.float32
 
 
+def is_float(dtype: Any) -> bool:
+    """A floating-point dtype (an fp8 format included)."""
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
 def is_narrow_float(dtype: Any) -> bool:
     """A float format narrower than fp32 (fp16, bf16)."""
     dtype = jnp.dtype(dtype)

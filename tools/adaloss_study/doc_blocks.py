@@ -400,9 +400,9 @@ def _summary(fn: Callable[..., Any]) -> str:
 
 def rules(docs: Path) -> str:
     """The rule tables each front dispatches on, read from the code (``docs`` unused): JAX's per
-    primitive and per decision kind (``jax_adaloss.backward``), torch's per autograd node name
-    (``torch_bridge.graph``)."""
-    from jax_adaloss import backward
+    primitive and per decision kind (``jax_adaloss.trace``, ``jax_adaloss.backward``), torch's
+    per autograd node name (``torch_bridge.graph``)."""
+    from jax_adaloss import backward, trace
 
     try:
         from torch_bridge import graph
@@ -415,12 +415,14 @@ def rules(docs: Path) -> str:
 
     rows = ["| front | matched by | what the backward does there | rule |", "|---|---|---|---|"]
     by_rule: dict[Any, list[str]] = {}
-    for prim, rule in backward.CLASSIFY.items():
+    for prim, rule in trace.CLASSIFY.items():
         by_rule.setdefault(rule, []).append(prim)
     for rule, prims in by_rule.items():
-        rows.append(f"| JAX | {names(prims)} | {_summary(rule)} | `_Tape.{rule.__name__}` |")
+        rows.append(f"| JAX | {names(prims)} | {_summary(rule)} | `trace.Tape.{rule.__name__}` |")
     for kind, (wide, fp8) in backward.SWEEP.items():
-        rule = f"`_Sweep.{wide.__name__}`" + ("" if fp8 is wide else f"; fp8: `_Sweep.{fp8.__name__}`")
+        rule = f"`backward._Sweep.{wide.__name__}`"
+        if fp8 is not wide:
+            rule += f"; fp8: `_Sweep.{fp8.__name__}`"
         rows.append(f"| JAX | a `{kind}` node | {_summary(wide)} | {rule} |")
     for what, xs in (("a layer: a matmul or convolution of a weight and data", [*graph._MATMUL, graph._CONV]),
                      ("a cast: the cotangent narrowed", [graph._CAST]),
