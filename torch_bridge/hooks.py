@@ -27,7 +27,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -261,7 +261,7 @@ class ScaledBackward:
                  on_done: Callable[[BackwardRecord], None], *, recompute: bool = True,
                  model_scales: dict[str, torch.Tensor] | None = None,
                  spreads: dict[str, Any] | None = None, capture: bool = False,
-                 host_math: bool = True, adaptive: bool = True,
+                 host_math: bool = True, reference: Literal["global"] | None = None,
                  hidden: Sequence[torch.Tensor] = (),
                  region_scale: Callable[[str, torch.device], torch.Tensor] | None = None,
                  backoff: torch.Tensor | None = None,
@@ -282,7 +282,10 @@ class ScaledBackward:
         self.spreads = spreads or {}
         self.capture = capture
         self.host_math = host_math
-        self.adaptive = adaptive  # False: no per-layer scales, the seed (init_scale) only
+        # a reference backward (measurements, "global"): no rule, the seed's scale (init_scale) only
+        if reference not in (None, "global"):
+            raise ValueError(f"reference must be None (adaloss) or 'global', got {reference!r}")
+        self.rules = RULES if reference is None else {}
         self.sm = ON_TENSORS
         self._fuse = False  # this pass runs its decisions as compiled calls (_fusing)
         self.handles: list[Any] = []
@@ -395,19 +398,11 @@ class ScaledBackward:
             if self.capture and go[0] is not None:
                 self.captured[p.name] = go[0]
                 self.captured_scales[p.name] = self.values[p.sym]
-        if p.kind != "op" and not self.adaptive:
+        rule = self.rules.get(p.kind)
+        if rule is not None:
+            rule[self.config.fp8](self, p, go)
+        elif p.kind != "op":  # a reference backward: every node passes the scale on
             self.values[p.send] = self.values[p.sym]
-        elif p.kind == "layer":
-            (self._layer_fp8 if self.config.fp8 else self._layer)(p, go)
-        elif p.kind in ("cast", "region"):
-            self._cast(p, go)
-        elif p.kind == "factor":
-            self._factor(p, go)
-        elif p.kind == "norm":  # fp8: the same scale, not fitted: the next cast reads its max
-            self.values[p.send] = self.values[p.sym]
-            self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
-        elif p.kind == "input":
-            (self._layer_fp8 if self.config.fp8 else self._input_layer)(p, go)
         elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
             param = self.plan.params[i]
             go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.values[p.sym]), None)
@@ -554,6 +549,9 @@ class ScaledBackward:
         return self.sm.to_xp(self.cached[name]), spread
 
     def _layer(self, p: NodePlan, go: list[Any]) -> None:
+        """The layer's scale decided from its cotangent's and weight's statistics
+        (:func:`adaloss.decisions.layer`); the node gets ``s·g``, so both its gradients carry
+        ``incoming·s``."""
         g, incoming = go[0], self.values[p.sym]
         if g is None or incoming is None:
             self.values[p.send] = incoming
@@ -629,6 +627,8 @@ class ScaledBackward:
             return fn(*static, self.sm.xp, *_converted(args, self.sm.to_xp))
 
     def _cast(self, p: NodePlan, go: list[Any]) -> None:
+        """The cotangent narrowed at a scale decided from its log-statistics
+        (:func:`adaloss.decisions.cast`); an opaque region's at least its dynamic scale."""
         present = [k for k in range(len(go)) if go[k] is not None]
         incoming = self.values[p.sym]
         if not present or incoming is None:
@@ -672,6 +672,12 @@ class ScaledBackward:
         self.decisions[p.name] = _Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)
         if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
             self.regions.append(outgoing)
+
+    def _norm(self, p: NodePlan, go: list[Any]) -> None:
+        """A normalization's backward: the same scale, not fitted (fp8: the next cast reads its
+        tensor's max)."""
+        self.values[p.send] = self.values[p.sym]
+        self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
 
     def _factor(self, p: NodePlan, go: list[Any]) -> None:
         """Before ``x·c`` / ``x/c`` (``c`` a scalar) multiplies the 16-bit cotangent by ``|c|`` /
@@ -923,3 +929,15 @@ class ScaledBackward:
             v = read_saved(self.plan.nodes[arg[0]], arg[1]).detach()  # this graph's scalar
             w = w * v if op == "mul" else (w / v if op == "div" else v / w)
         return w
+
+
+#: per node kind, the hook's rule with a 16-bit and with an fp8 ``grad_format``; an ``op`` node
+#: passes its cotangent's scale on (a parameter's gradient: to the scaler, :meth:`ScaledBackward.pre`)
+RULES: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
+    "layer": (ScaledBackward._layer, ScaledBackward._layer_fp8),
+    "input": (ScaledBackward._input_layer, ScaledBackward._layer_fp8),
+    "cast": (ScaledBackward._cast, ScaledBackward._cast),
+    "region": (ScaledBackward._cast, ScaledBackward._cast),
+    "factor": (ScaledBackward._factor, ScaledBackward._factor),
+    "norm": (ScaledBackward._norm, ScaledBackward._norm),
+}

@@ -47,7 +47,7 @@ def layer_cotangents(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]
         plan = ScalePlan(loss.grad_fn, parameter_names(model), cast_rule=config.cast_rule)
         records: list[BackwardRecord] = []
         sb = ScaledBackward(plan, config, lambda p, g, s, old: (g, s), records.append, capture=True,
-                            adaptive=loss_scale is None, **levels)
+                            reference=None if loss_scale is None else "global", **levels)
         loss.backward()
         del sb
         rec = records[0]

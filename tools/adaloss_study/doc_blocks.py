@@ -395,17 +395,18 @@ def torch_fp8(docs: Path) -> str:
 def _summary(fn: Callable[..., Any]) -> str:
     """The first sentence of ``fn``'s docstring, on one line, its reST literals in Markdown."""
     text = " ".join((fn.__doc__ or "").split()).replace("``", "`")
-    return re.sub(r":(func|meth|class):`~?([\w.]+)`", r"`\2`", text.split(". ")[0].rstrip("."))
+    text = re.sub(r":(func|meth|class):`~?([\w.]+)`", r"`\2`", text.split(". ")[0].rstrip("."))
+    return text.replace("|", "\\|")  # a table cell
 
 
 def rules(docs: Path) -> str:
     """The rule tables each front dispatches on, read from the code (``docs`` unused): JAX's per
     primitive and per decision kind (``jax_adaloss.trace``, ``jax_adaloss.backward``), torch's
-    per autograd node name (``torch_bridge.graph``)."""
+    per autograd node name (``torch_bridge.graph``) and per node kind (``torch_bridge.hooks``)."""
     from jax_adaloss import backward, trace
 
     try:
-        from torch_bridge import graph
+        from torch_bridge import graph, hooks
     except ImportError as e:
         raise RuntimeError("the design page's rule table reads torch_bridge: "
                            "pip install -e '.[torch]'") from e
@@ -423,7 +424,7 @@ def rules(docs: Path) -> str:
         rule = f"`backward._Sweep.{wide.__name__}`"
         if fp8 is not wide:
             rule += f"; fp8: `_Sweep.{fp8.__name__}`"
-        rows.append(f"| JAX | a `{kind}` node | {_summary(wide)} | {rule} |")
+        rows.append(f"| JAX | node kind `{kind}` | {_summary(wide)} | {rule} |")
     for what, xs in (("a layer: a matmul or convolution of a weight and data", [*graph._MATMUL, graph._CONV]),
                      ("a cast: the cotangent narrowed", [graph._CAST]),
                      ("a scalar factor: the scale lowered where the product would overflow",
@@ -432,6 +433,11 @@ def rules(docs: Path) -> str:
                      ("a normalization (fp8: the next cast fits its own tensor)", graph._NORMS),
                      ("an indexed read (an embedding): how a weight is found", graph._LOOKUP)):
         rows.append(f"| PyTorch | {names(xs)} | {what} | `torch_bridge/graph.py` |")
+    for kind, (wide, fp8) in hooks.RULES.items():
+        rule = f"`hooks.ScaledBackward.{wide.__name__}`"
+        if fp8 is not wide:
+            rule += f"; fp8: `{fp8.__name__}`"
+        rows.append(f"| PyTorch | node kind `{kind}` | {_summary(wide)} | {rule} |")
     return "\n".join(rows)
 
 
