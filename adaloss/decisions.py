@@ -3,15 +3,16 @@
 Each takes its static arguments (hashable: the config, a fan-in, a size), an array namespace
 ``xp`` and the statistics the front read (0-d values of ``xp``, or ``None``), and returns the
 decision. A front finds the layers, reads the statistics and applies the scales; what it
-decides from them is here: a weighted layer (:func:`layer_of_stats`), a narrowing cast
+decides from them is here: a weighted layer (:func:`layer_of_stats`; with an fp8 gradient
+format :func:`fp8_layer`), a narrowing cast
 (:func:`cast_of_logs`), a merge of contributions carrying different scales (:func:`merge`),
 the overflow limit of a dtype (:func:`overflow_limit`), the per-weight underflow signals of
 the feedback (:func:`signals`) and the state after a step (:func:`levels`).
 
 In JAX they are traced into the step. In PyTorch the same functions run on NumPy scalars
 (CPU host math), on 0-d device tensors, or traced and compiled into one kernel
-(:class:`torch_bridge.fused.FusedMath`); :class:`Sums`, :class:`LogSums` and
-:class:`WeightStats` are the reductions as torch's kernels give them.
+(:class:`torch_bridge.fused.FusedMath`); :class:`Sums` (a cotangent's, or a weight's without
+its ``Σx``) and :class:`LogSums` are the reductions as torch's kernels give them.
 """
 
 from __future__ import annotations
@@ -71,21 +72,6 @@ def log_stats(s: LogSums, xp: Any) -> solver.LogStats:
                                     xp.astype(s.absmax, xp.float32), xp)
 
 
-class WeightStats(NamedTuple):
-    """A weight's ``Σ W²`` (fp32) and extremes in its dtype (its min and max, or ``max|W|``
-    twice), read for all the layers at once."""
-
-    sq_total: Any
-    lo: Any
-    hi: Any
-
-
-def weight_stats(w: WeightStats, size: int, xp: Any) -> solver.TensorStats:
-    """The :class:`adaloss.solver.TensorStats` the decisions read of a weight (``E[W²]``,
-    ``max|W|``) from its :class:`WeightStats`."""
-    return normalized(Sums(None, w.sq_total, w.lo, w.hi), size, xp)
-
-
 def weight_grad_cap(config: AdaLossConfig, limit: float | None, xp: Any, sq_norms: tuple[Any, Any],
                     root_rows: Any, backoff: Any) -> Any:
     """:func:`adaloss.solver.weight_grad_cap` from the largest squared column norms of ``g`` and
@@ -106,18 +92,18 @@ class LayerDecision(NamedTuple):
 
 
 def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | None, xp: Any,
-          size: Any, sums: Sums, w: WeightStats | None, sq_norms: tuple[Any, Any] | None, root_rows: Any,
+          size: Any, sums: Sums, w: Sums | None, sq_norms: tuple[Any, Any] | None, root_rows: Any,
           incoming: Any, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
           counts: tuple[Any, Any] | None, behind: Sequence[Any]) -> LayerDecision:
     """:func:`layer_of_stats` from the reductions torch's kernels give: the cotangent's ``sums``
-    (``size`` entries: a number, or an integer value of ``xp``), its weight's statistics ``w``
-    (``w_size`` entries), and the largest squared column norms ``sq_norms`` of ``g`` and ``x``
-    for the 16-bit weight gradient it computes over ``root_rows²`` rows
-    (:func:`adaloss.solver.weight_grad_cap`). The sizes are arguments, not static: a
+    (``size`` entries: a number, or an integer value of ``xp``), its weight's ``w`` (``Σ W²``
+    and its extremes, or ``max|W|`` twice; ``w_size`` entries), and the largest squared column
+    norms ``sq_norms`` of ``g`` and ``x`` for the 16-bit weight gradient it computes over
+    ``root_rows²`` rows (:func:`adaloss.solver.weight_grad_cap`). The sizes are arguments, not static: a
     cotangent's size follows the batch."""
     g = normalized(sums, size, xp)
     cap = None if sq_norms is None else weight_grad_cap(config, wgrad_limit, xp, sq_norms, root_rows, backoff)
-    w = None if w is None else weight_stats(w, w_size, xp)
+    w = None if w is None else normalized(w, w_size, xp)
     return layer_of_stats(config, fan_in, xp, size, g, w, cap, incoming, backoff, lift, cached_scale,
                           cached_sigma, counts, behind)
 

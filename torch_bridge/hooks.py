@@ -360,7 +360,7 @@ class ScaledBackward:
         self.feedback = Feedback()
         self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
         # node index -> its weight's statistics and size (_weight_stats), for this backward
-        self._weights: dict[int, tuple[decisions.WeightStats, int]] | None = None
+        self._weights: dict[int, tuple[decisions.Sums, int]] | None = None
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -586,7 +586,7 @@ class ScaledBackward:
                                            False if dec.held is None else dec.held)
 
     def _layer_decision(self, p: NodePlan, g: torch.Tensor, operand: tuple[torch.Tensor, int] | None,
-                        weight: tuple[decisions.WeightStats | None, int], cached: tuple[Any, Any] | None,
+                        weight: tuple[decisions.Sums | None, int], cached: tuple[Any, Any] | None,
                         incoming: Any, lift: Any, limited: list[Any]) -> decisions.LayerDecision:
         """A layer's decision from its cotangent's statistics read op by op (:meth:`_layer`), and
         its weight's (:meth:`_weight_stats`, and its size)."""
@@ -871,7 +871,7 @@ class ScaledBackward:
         return decisions.weight_grad_cap(self.config, self._wgrad_limit(g), self.sm.xp,
                                          tuple(map(self.sm.to_xp, norms)), float(rows) ** 0.5, self.bo)
 
-    def _weight_stats(self, p: NodePlan) -> tuple[decisions.WeightStats, int]:
+    def _weight_stats(self, p: NodePlan) -> tuple[decisions.Sums, int]:
         """The layer's weight's statistics (:func:`weight_stats`), batched for all the layers
         at the first one a backward reaches, and its size."""
         if self._weights is None:
@@ -891,7 +891,7 @@ class ScaledBackward:
             got = self._weight_sums([w], p.name)[0], w.numel()
         return got
 
-    def _weight_sums(self, weights: list[torch.Tensor], point: str) -> list[decisions.WeightStats]:
+    def _weight_sums(self, weights: list[torch.Tensor], point: str) -> list[decisions.Sums]:
         """:func:`weight_stats` of ``weights``, or one compiled call for them all where the pass
         fuses (:func:`torch_bridge.kernels.weights`)."""
         if weights and self._fusing(*weights):

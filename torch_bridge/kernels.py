@@ -71,9 +71,9 @@ def log_sums(x: torch.Tensor) -> decisions.LogSums:
                              torch.linalg.vector_norm(logs, dtype=_F32), a.amax())
 
 
-def weight_sums(w: torch.Tensor) -> decisions.WeightStats:
-    """A weight's :class:`~adaloss.decisions.WeightStats` (``Σ W²``, min, max)."""
-    return decisions.WeightStats(w.to(_F32).square().sum(), *torch.aminmax(w))
+def weight_sums(w: torch.Tensor) -> decisions.Sums:
+    """A weight's :class:`~adaloss.decisions.Sums`: ``Σ W²``, min, max (no ``Σ W``)."""
+    return decisions.Sums(None, w.to(_F32).square().sum(), *torch.aminmax(w))
 
 
 def wgrad_columns(g: torch.Tensor, x: torch.Tensor, conv: bool, weight_side: int
@@ -96,14 +96,14 @@ def column_sq_max(m: torch.Tensor) -> torch.Tensor:
     return m.to(_F32).square().sum(0).amax()
 
 
-def weights(xp: Any, ws: Sequence[torch.Tensor]) -> list[decisions.WeightStats]:
+def weights(xp: Any, ws: Sequence[torch.Tensor]) -> list[decisions.Sums]:
     """Every weight's :func:`weight_sums`, in one call (read for all the layers at the first one a
     backward reaches: a stream over them all, where a layer's own call would wait on its weight)."""
     return [weight_sums(w) for w in ws]
 
 
 def layer(config: AdaLossConfig, fan_in: int, w_size: int, wgrad_limit: float | None, conv: bool,
-          weight_side: int, xp: Any, g: torch.Tensor, x: torch.Tensor | None, w: decisions.WeightStats | None,
+          weight_side: int, xp: Any, g: torch.Tensor, x: torch.Tensor | None, w: decisions.Sums | None,
           incoming: torch.Tensor, backoff: Any, lift: Any, cached_scale: Any, cached_sigma: Any,
           behind: Sequence[Any]) -> tuple[torch.Tensor, decisions.LayerDecision]:
     """A weighted layer's cotangent ``g`` times its decision (:func:`adaloss.decisions.layer`)

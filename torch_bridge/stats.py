@@ -6,8 +6,8 @@ Each reduction accumulates in fp32 and is written for the device it runs on: on 
 fastest form of the same sum (a BLAS dot of an fp32 copy, counts from a copy modified in
 place: a boolean mask costs more than the arithmetic there), elsewhere one fused reduction
 reading the tensor in its own dtype. The results are :mod:`adaloss.decisions`' containers
-(:class:`~adaloss.decisions.Sums`, :class:`~adaloss.decisions.LogSums`,
-:class:`~adaloss.decisions.WeightStats`) or :mod:`adaloss.solver`'s.
+(:class:`~adaloss.decisions.Sums`, :class:`~adaloss.decisions.LogSums`) or
+:mod:`adaloss.solver`'s.
 """
 
 from __future__ import annotations
@@ -59,24 +59,24 @@ def tensor_sums(x: torch.Tensor, with_mean: bool = True) -> decisions.Sums:
     return decisions.Sums(torch.sum(x, dtype=_F32) if with_mean else None, sum_of_squares(x), lo, hi)
 
 
-def weight_stats(weights: Sequence[torch.Tensor]) -> list[decisions.WeightStats]:
-    """Each weight's :class:`~adaloss.decisions.WeightStats`: on an accelerator three
+def weight_stats(weights: Sequence[torch.Tensor]) -> list[decisions.Sums]:
+    """Each weight's :class:`~adaloss.decisions.Sums` (no ``Σ W``): on an accelerator three
     ``_foreach`` calls for all the weights of one device and dtype (``‖W‖₂``, its square,
     ``max|W|``); on a CPU, where ``_foreach_norm`` is a loop of 16-bit norms (~4x slower than
     a dot of an fp32 copy), :func:`sum_of_squares` and ``aminmax`` of each."""
-    out: list[decisions.WeightStats | None] = [None] * len(weights)
+    out: list[decisions.Sums | None] = [None] * len(weights)
     groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for k, w in enumerate(weights):
         groups[(w.device, w.dtype)].append(k)
     for (device, _), members in groups.items():
         ws = [weights[k] for k in members]
         if device.type == "cpu":
-            stats = [decisions.WeightStats(sum_of_squares(w), *torch.aminmax(w)) for w in ws]
+            stats = [decisions.Sums(None, sum_of_squares(w), *torch.aminmax(w)) for w in ws]
         else:
             norms = torch._foreach_norm(ws, 2, dtype=_F32)
             maxima = torch._foreach_norm(ws, math.inf)
             squares = torch._foreach_mul(norms, norms)
-            stats = [decisions.WeightStats(sq, m, m) for sq, m in zip(squares, maxima)]
+            stats = [decisions.Sums(None, sq, m, m) for sq, m in zip(squares, maxima)]
         for k, st in zip(members, stats):
             out[k] = st
     return out  # type: ignore[return-value]
