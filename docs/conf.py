@@ -58,7 +58,7 @@ nitpick_ignore_regex = [
                r"Union|TypeVar|Protocol|Self|ClassVar|Generator|Hashable|Path)"),
     (r"py:.*", r"(np|numpy|jax|jnp|jaxlib|optax|flax|nnx|chex|torch|nn|ml_dtypes|array_api_compat)"
                r"(\..*)?"),
-    (r"py:.*", r"(.*\.)?_\w+"),  # private helpers named in a public signature
+    (r"py:.*", r"(.*\.)?_\w+(\..*)?"),  # private helpers (or a private module's) in a public signature
     (r"py:.*", r"(Array|ArrayLike|PyTree|Tensor|Module|DType|dtype|Params|Argnums|StatModel|"
                r"GradFormat|Grads|Scalar)"),
 ]
