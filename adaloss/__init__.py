@@ -1,4 +1,6 @@
-"""Framework-neutral core of adaptive loss scaling: the config and the solver.
+"""Framework-neutral core of adaptive loss scaling: the config, the solver's formulas and the
+decisions both fronts make with them (:mod:`adaloss.decisions`, :mod:`adaloss.feedback`), the
+reports.
 
 Imports neither JAX nor PyTorch; ``jax_adaloss`` and ``torch_bridge`` build on it.
 """
