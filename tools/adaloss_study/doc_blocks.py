@@ -420,11 +420,14 @@ def rules(docs: Path) -> str:
         by_rule.setdefault(rule, []).append(prim)
     for rule, prims in by_rule.items():
         rows.append(f"| JAX | {names(prims)} | {_summary(rule)} | `trace.Tape.{rule.__name__}` |")
-    for kind, (wide, fp8) in backward.SWEEP.items():
-        rule = f"`backward._Sweep.{wide.__name__}`"
-        if fp8 is not wide:
-            rule += f"; fp8: `_Sweep.{fp8.__name__}`"
-        rows.append(f"| JAX | node kind `{kind}` | {_summary(wide)} | {rule} |")
+    def by_kind(front: str, table: dict[str, Any], owner: str) -> list[str]:
+        out = []
+        for kind, (wide, fp8) in table.items():
+            rule = f"`{owner}.{wide.__name__}`" + ("" if fp8 is wide else f"; fp8: `{fp8.__name__}`")
+            out.append(f"| {front} | node kind `{kind}` | {_summary(wide)} | {rule} |")
+        return out
+
+    rows += by_kind("JAX", backward.SWEEP, "backward._Sweep")
     for what, xs in (("a layer: a matmul or convolution of a weight and data", [*graph._MATMUL, graph._CONV]),
                      ("a cast: the cotangent narrowed", [graph._CAST]),
                      ("a scalar factor: the scale lowered where the product would overflow",
@@ -433,11 +436,7 @@ def rules(docs: Path) -> str:
                      ("a normalization (fp8: the next cast fits its own tensor)", graph._NORMS),
                      ("an indexed read (an embedding): how a weight is found", graph._LOOKUP)):
         rows.append(f"| PyTorch | {names(xs)} | {what} | `torch_bridge/graph.py` |")
-    for kind, (wide, fp8) in hooks.RULES.items():
-        rule = f"`hooks.ScaledBackward.{wide.__name__}`"
-        if fp8 is not wide:
-            rule += f"; fp8: `{fp8.__name__}`"
-        rows.append(f"| PyTorch | node kind `{kind}` | {_summary(wide)} | {rule} |")
+    rows += by_kind("PyTorch", hooks.RULES, "hooks.ScaledBackward")
     return "\n".join(rows)
 
 
