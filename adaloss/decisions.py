@@ -123,7 +123,7 @@ def layer_of_stats(config: AdaLossConfig, fan_in: int, xp: Any, size: Any, g: so
     absmax = solver.absmax(g, xp)
     fraction = (None if counts is None
                 else solver.subnormal_fraction_of_counts(*counts, size, config, xp, absmax))
-    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, _any(behind), absmax, fraction)
+    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, any_of(behind), absmax, fraction)
 
 
 def fp8_layer(config: AdaLossConfig, fan_in: int, carrier_max: float, xp: Any, g: solver.TensorStats,
@@ -142,11 +142,11 @@ def fp8_layer(config: AdaLossConfig, fan_in: int, carrier_max: float, xp: Any, g
     d = solver.fp8_layer_scale(config, g, w, fan_in, incoming, carrier_max, xp,
                                cached_model_scale=cached_scale, cached_sigma=cached_sigma, backoff=backoff,
                                lift=lift, extra_cap=cap, row_sq=row_sq)
-    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, _any(behind),
+    return LayerDecision(d, incoming * d.scale, d.unrounded < d.model_scale, any_of(behind),
                          solver.absmax(g, xp), None)
 
 
-def _any(flags: Sequence[Any]) -> Any:
+def any_of(flags: Sequence[Any]) -> Any:
     """The logical or of ``flags`` (None for none)."""
     held = flags[0] if flags else None
     for flag in flags[1:]:

@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from adaloss.decisions import any_of
+
 
 class Feedback:
     """Per layer decision, whether a cap or bound set its scale below the statistical one
@@ -30,6 +32,11 @@ class Feedback:
     def flags(self, behind: Iterable[str]) -> list[Any]:
         """The ``limited`` flags of the decisions ``behind`` a scale, in name order."""
         return [self.limited[n] for n in sorted(behind)]
+
+    def held(self, behind: Iterable[str]) -> Any:
+        """Whether a cap or bound limited any decision ``behind`` a scale (None: none is behind
+        it; :func:`adaloss.decisions.any_of` of their :meth:`flags`)."""
+        return any_of(self.flags(behind))
 
     def hear(self, behind: Iterable[str], fraction: Any) -> None:
         """A cotangent carrying the scale the decisions ``behind`` set reached a layer or a

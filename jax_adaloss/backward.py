@@ -40,7 +40,7 @@ import functools
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +66,8 @@ from jax_adaloss.weight_grads import (
 
 #: the backwards that are not adaloss's, for measurements (:func:`scaled_backward`): one global
 #: loss scale (``config.init_scale``), no decision; and the same computed in fp32
-REFERENCES = ("global", "fp32")
 Reference = Literal["global", "fp32"]
+REFERENCES = get_args(Reference)
 
 _F32 = jnp.float32
 

@@ -793,9 +793,8 @@ class ScaledBackward:
             kind = "layer"
         if kind == "first":
             self.deciders[p.send] = behind
-        held: Any = False
-        for flag in self.feedback.flags(behind):
-            held = held | flag
+        held = self.feedback.held(behind)
+        held = False if held is None else held
         outgoing = incoming * d.scale
         self.values[p.send] = outgoing
         self.fitted.add(p.send)
