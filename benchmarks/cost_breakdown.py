@@ -45,7 +45,7 @@ import jax_adaloss
 from adaloss import solver
 from adaloss_study.cost_tables import table
 from adaloss_study.overhead import machine
-from jax_adaloss import backward, reductions
+from jax_adaloss import backward, layers, reductions, regions
 
 _F32 = jnp.float32
 
@@ -81,10 +81,9 @@ ABLATIONS: list[tuple[str, list[tuple[Any, str, Any]]]] = [
     ("- decisions", [(solver, "layer_scale", _constant_decision),
                      (solver, "cast_scale", _constant_decision)]),
     ("- merges", [(solver, "merge_scale", lambda scales, *a, **k: scales[0])]),
-    ("- rescales", [(backward, "_rescale", lambda ct, factor: ct), (backward, "_stored", lambda x: x),
-                    (backward, "_settled", lambda x, inverses=None: x)]),
-    ("- fp32 weight grads", [(backward._Sweep, "_weight_grad",
-                              lambda self, node, g: node.vjp([g])[node.wgt])]),
+    ("- rescales", [*((m, "_rescale", lambda ct, factor: ct) for m in (backward, layers, regions)),
+                    (backward, "_stored", lambda x: x), (backward, "_settled", lambda x, inverses=None: x)]),
+    ("- fp32 weight grads", [(layers, "weight_grad", lambda sw, node, g, q=None: node.vjp([g])[node.wgt])]),
 ]
 
 

@@ -56,10 +56,10 @@ def fp16_weight_grads() -> Iterator[None]:
     """Each ``dot_general`` layer's weight gradient by ``jax.vjp`` in the weights' format."""
     import jax
 
-    from jax_adaloss import backward
+    from jax_adaloss import layers
     jax.clear_caches()
-    with mock.patch.object(backward._Sweep, "_weight_grad",  # raises if the name is gone
-                           lambda self, node, g: node.vjp([g])[node.wgt]):
+    with mock.patch.object(layers, "weight_grad",  # raises if the name is gone
+                           lambda sw, node, g, q=None: node.vjp([g])[node.wgt]):
         yield
     jax.clear_caches()
 

@@ -132,13 +132,13 @@ def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = t
         opt.zero_grad(set_to_none=True)
         if kind == "cuda":
             torch.cuda.synchronize()
-    fused = getattr(scaler, "_fused", None)
+    fused = getattr(getattr(scaler, "_schedule", None), "fused", None)
     warmup = []
     for _ in range(2 + (fused.steady_after if fused is not None else 0)):
         t0 = time.perf_counter()
         step()
         warmup.append(1e3 * (time.perf_counter() - t0))
-    assert fused is None or scaler._fusing, "the default scaler did not compile its decisions"
+    assert fused is None or scaler._schedule.active, "the default scaler did not compile its decisions"
     return step, scaler, warmup
 
 
@@ -147,7 +147,7 @@ def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Co
     ``fuse_decisions`` runs instead of ops: no op a dispatch mode sees, each one kernel on a CPU
     and a few on a GPU), and the bytes both move (a compiled call: its tensor arguments read
     once and its results written once)."""
-    fused = getattr(scaler, "_fused", None)
+    fused = getattr(getattr(scaler, "_schedule", None), "fused", None)
     calls = 0
     moved = 0
     if fused is not None:

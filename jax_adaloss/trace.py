@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -496,6 +496,34 @@ def body_slots(tape: Tape, r: ScanRegion, carry: Sequence[Any], x: Sequence[Any]
     slots += [tape.slot(v, r.origins[nc + nk + i], r.needs[nc + nk + i]) for i, v in enumerate(x)]
     consts = [tape.slot(c, CONST, False) for c in r.body.consts]
     return slots + tape.run(r.body.jaxpr, consts, slots)
+
+
+def chains(tape: Tape) -> tuple[set[int], set[int]]:
+    """The elementwise 16-bit equations the sweep (:mod:`jax_adaloss.backward`) differentiates
+    in fp32 too, by ``id``, and the slots inside their chains. A chain: elementwise equations joined by values
+    that one computes and one other uses (nothing else does); those of several equations with a
+    nonlinear one (:data:`NONLINEAR`: an activation function; one nonlinear equation alone, a
+    softmax's ``exp``, has no 16-bit intermediate that its result does not have) are kept."""
+    uses = Counter(node.ins[p] for node in tape.nodes for p in node.diff)
+    producer = {s: node for node in tape.nodes if node.elementwise for s in node.outs}
+    inside = {s for s in producer if uses[s] == 1}
+    root = {id(node): id(node) for node in producer.values()}
+
+    def find(k: int) -> int:
+        while root[k] != k:
+            root[k] = root[root[k]]
+            k = root[k]
+        return k
+
+    for node in tape.nodes:
+        if node.elementwise:
+            for p in node.diff:
+                if node.ins[p] in inside:
+                    root[find(id(node))] = find(id(producer[node.ins[p]]))
+    size = Counter(find(k) for k in root)
+    nonlinear = {find(id(n)) for n in producer.values() if n.eqn[0].name in NONLINEAR}
+    dual = {k for k in root if find(k) in nonlinear and size[find(k)] > 1}
+    return dual, {s for s in inside if id(producer[s]) in dual}
 
 
 def _narrow_elementwise(prim: str, vals: list[Any], out_vals: list[Any]) -> bool:

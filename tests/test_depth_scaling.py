@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_adaloss
-from jax_adaloss.backward import _settled, _stored
+from jax_adaloss.cotangents import _settled, _stored
 
 F16 = jnp.float16
 

@@ -270,7 +270,7 @@ def _fused_steps(fuse, batches, case="gpt"):
         mode = _SolverOps()
         with mode:
             loss.backward()
-        steps.append((mode.count, mode.total, len(scaler._fused) if fuse else 0))
+        steps.append((mode.count, mode.total, len(scaler._schedule.fused) if fuse else 0))
         if grads is None:
             grads = [p.grad.clone() for p in model.parameters()]
         scaler.step(opt)
@@ -308,7 +308,7 @@ def test_fused_decisions_beyond_max_shapes_warn_and_run_op_by_op():
         model, x, y = make_case("gpt")
         runs.append((model, AdaLossScaler(model, host_math=False, fuse_decisions=fuse),
                      torch.optim.SGD(model.parameters(), 0.1)))
-    assert runs[0][1]._fused is fused
+    assert runs[0][1]._schedule.fused is fused
     for step, rows in enumerate((8, 8, 5, 3)):  # (the second step has the scaler's state: traced)
         seen = []
         for model, scaler, opt in runs:
@@ -355,7 +355,7 @@ def _steps_beside_unfused(fused, batches):
                 scaler.step(opt)
                 scaler.update()
             if scaler is runs[0][1]:
-                fusing.append(scaler._fusing)
+                fusing.append(scaler._schedule.active)
                 said.append([str(w.message) for w in caught if "fuse_decisions" in str(w.message)])
             seen.append(({k: float(r.scale) for k, r in scaler.layer_reports().items()},
                          [p.grad.clone() for p in model.parameters()]))
@@ -371,7 +371,7 @@ def test_default_fusion_waits_for_backwards_whose_shapes_hold():
     ``steady_after`` backwards in a row met them with the same shapes, then compiled; a change
     of shapes goes back to op by op until they hold again; the scales and gradients are those
     of an unfused scaler trained alongside at every step."""
-    default = AdaLossScaler(MLP())._fused
+    default = AdaLossScaler(MLP())._schedule.fused
     assert (default.backend, default.steady_after) == ("inductor", scaler_module.STEADY_AFTER)
     assert scaler_module.STEADY_AFTER >= 10  # a test or a short run never compiles
     fused = FusedMath("eager", steady_after=2)
@@ -685,8 +685,8 @@ def test_pickle_and_deepcopy_between_backward_and_step_go_on_with_the_live_model
         s.scale(_loss(m, x, y)).backward()
     for fresh in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
         assert fresh.grad_scales() == {} and fresh._model is model  # the live model, no copy
-        f = fresh._fused  # the default's compiled decisions: the same policy, compiled anew
-        assert (f.backend, f.steady_after, len(f)) == ("inductor", scaler._fused.steady_after, 0)
+        f = fresh._schedule.fused  # the default's compiled decisions: the same policy, compiled anew
+        assert (f.backend, f.steady_after, len(f)) == ("inductor", scaler._schedule.fused.steady_after, 0)
     scaler = copy.deepcopy(pickle.loads(pickle.dumps(scaler)))  # mid-iteration: pending scales kept
     scaler.step(opt)
     scaler.update()

@@ -96,7 +96,8 @@ def test_input_cotangent_scaled_after_its_dot_is_the_rescaled_cotangents(name, g
 
     from models import make_case, xent
 
-    from jax_adaloss.backward import _rescale, _Sweep
+    from jax_adaloss import layers
+    from jax_adaloss.scaled_grad import rescale
 
     cls, params, x, y = make_case(name, jax.random.key(0))
     dtype = jnp.bfloat16 if grad_format.startswith("float8") else jnp.float16
@@ -111,8 +112,8 @@ def test_input_cotangent_scaled_after_its_dot_is_the_rescaled_cotangents(name, g
         return vg(params, adaloss_state=None)
 
     (_, grads), rep = run()
-    with mock.patch.object(_Sweep, "_input_grad",
-                           lambda self, node, g, s, q=None: node.vjp([_rescale(g, s)])[node.act]):
+    with mock.patch.object(layers, "input_grad",
+                           lambda sw, node, g, s, q=None: node.vjp([rescale(g, s)])[node.act]):
         (_, old), old_rep = run()
     assert set(rep.layers) == set(old_rep.layers)
     for n in rep.layers:

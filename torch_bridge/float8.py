@@ -30,7 +30,7 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from torch_bridge._xp import ScalarMath, xp
 from torch_bridge.graph import FP8_NODE
-from torch_bridge.hooks import FP8_COTANGENT
+from torch_bridge.layers import FP8_COTANGENT
 from torch_bridge.stats import fp8_histogram, min_max
 
 _F32 = torch.float32

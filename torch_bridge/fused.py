@@ -35,7 +35,7 @@ import torch
 
 from torch_bridge._xp import xp
 
-__all__ = ["BACKENDS", "FusedMath"]
+__all__ = ["BACKENDS", "FusedMath", "FusionSchedule"]
 
 #: what :class:`FusedMath` compiles the traced decision with
 BACKENDS = ("inductor", "eager")
@@ -199,3 +199,39 @@ def _unflatten(spec: Any, leaves: Any) -> Any:
     cls, children = spec
     items = [_unflatten(c, leaves) for c in children]
     return cls(*items) if hasattr(cls, "_fields") else cls(items)
+
+
+class FusionSchedule:
+    """When a scaler's backwards run their decisions compiled: with ``fused`` (``None``: never),
+    once the last ``fused.steady_after`` backwards met their decisions with the same shapes
+    (:attr:`torch_bridge.hooks.BackwardRecord.shapes`), until the shapes change or the backend
+    fails (:attr:`FusedMath.failed`). Pickled with ``fused``'s settings, not its compiled calls."""
+
+    def __init__(self, fused: FusedMath | None) -> None:
+        self.fused = fused
+        self.shapes: tuple[Any, ...] | None = None  # the decisions' shapes in the last backward
+        self.steady = 0  # backwards in a row that met them
+        self.active = False  # the backward in progress runs its decisions compiled
+
+    def next(self) -> FusedMath | None:
+        """The compiled decisions for the backward being prepared, or ``None``: op by op."""
+        f = self.fused
+        self.active = f is not None and f.failed is None and self.steady >= f.steady_after
+        return f if self.active else None
+
+    def saw(self, shapes: tuple[Any, ...]) -> None:
+        """A backward finished whose decisions met ``shapes``."""
+        if shapes == self.shapes:
+            self.steady += 1
+        else:
+            self.shapes, self.steady = shapes, 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        f = self.fused
+        return {**self.__dict__, "fused": None if f is None else (f.backend, f.max_shapes, f.steady_after)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        fused = state.pop("fused")
+        self.__dict__.update(state)
+        self.fused = None if fused is None else FusedMath(*fused)

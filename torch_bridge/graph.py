@@ -390,7 +390,7 @@ class _Builder:
         elif kind not in _VECTOR:
             plan.act_attr, plan.weight_side = attrs[1 - w], w
         if edges[act] is None:  # the first layer: its input needs no gradient, nothing to scale;
-            # its fp16 weight gradient is still guarded (see ScaledBackward._input_layer), an fp8
+            # its fp16 weight gradient is still guarded (see torch_bridge.layers.input_layer), an fp8
             # layer's cotangent still cast
             if (plan.act_attr or kind == FP8_NODE) and edges[operands[w]] is not None:
                 plan.kind, plan.name = "input", origins[w]

@@ -1,7 +1,9 @@
-"""The scale-propagating backward in PyTorch: node hooks that follow a :class:`ScalePlan`.
+"""The scale-propagating backward in PyTorch: node hooks that follow a :class:`ScalePlan`, and
+the state of one pass (:class:`ScaledBackward`). At each decision node the hook applies the
+rule of :data:`torch_bridge.layers.RULES`.
 
 Statistics are fused torch reductions over each cotangent (:mod:`torch_bridge.stats`); the scale
-decisions are :mod:`adaloss.solver`'s formulas (the same as ``jax_adaloss``) on
+decisions are :mod:`adaloss.decisions` (the same as ``jax_adaloss``) on
 fp32 0-d values: device tensors on an accelerator (nothing is copied to the
 host), NumPy scalars for CPU gradients (:mod:`torch_bridge._xp`).
 
@@ -23,11 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -35,68 +36,19 @@ import torch
 from adaloss import decisions, solver
 from adaloss.config import AdaLossConfig
 from adaloss.feedback import Feedback
-from adaloss.report import LayerReport, decision_report, weight_of
+from adaloss.report import LayerReport, weight_of
 from torch_bridge import kernels
-from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math, xp
+from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math
 from torch_bridge.fused import FusedMath
-from torch_bridge.graph import (
-    FP8_NODE,
-    NO_DECISION,
-    NodePlan,
-    ScalePlan,
-    peek_saved,
-    python_number,
-    read_saved,
-)
-from torch_bridge.stats import (
-    cotangent_stats,
-    fp8_cast_counts,
-    log_sums,
-    subnormal_counts,
-    sum_of_squares,
-    tensor_stats,
-    weight_stats,
-)
+from torch_bridge.graph import NO_DECISION, NodePlan, ScalePlan
+from torch_bridge.layers import RULES, Decision
 
 _F32 = torch.float32
-#: what the hook of a ``torch_bridge.float8`` layer sets on its node: the cotangent in fp8 and
-#: the scale its GEMMs multiply by
-FP8_COTANGENT = "_adaloss_fp8_cotangent"
 
 # (param, this backward's gradient, its scale, the scale .grad carries now or None: the
 # scaler knows) -> (gradient to accumulate, scale .grad then carries)
 LeafHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
                     tuple[torch.Tensor, torch.Tensor]]
-
-
-class _Decision(NamedTuple):
-    kind: str  # "layer" | "cast"
-    d: solver.LayerScale
-    spread: Any  # sigma (layer) or LogStats (cast), for the predicted underflow
-    incoming: Any
-    outgoing: Any
-    absmax: Any
-    fan_in: int
-    held: Any = False  # a cap or bound set a decision behind ``incoming`` below its statistical scale
-    fractions: Any = None  # fp8: (flushed, subnormal, saturated) of the incoming cotangent's cast
-    current: Any = None  # fp8: the cast's scale was read from its own tensor
-
-    def to_torch(self, sm: ScalarMath) -> _Decision:
-        conv = sm.to_torch
-        spread = (type(self.spread)(*map(conv, self.spread)) if isinstance(self.spread, tuple)
-                  else conv(self.spread))
-        return _Decision(self.kind, solver.LayerScale(*map(conv, self.d)), spread, conv(self.incoming),
-                         conv(self.outgoing), conv(self.absmax), self.fan_in,
-                         torch.as_tensor(bool(self.held)) if not isinstance(self.held, torch.Tensor)
-                         else self.held,
-                         None if self.fractions is None else tuple(map(conv, self.fractions)),
-                         None if self.current is None else torch.as_tensor(bool(self.current)))
-
-    def report(self, config: AdaLossConfig) -> LayerReport:
-        """Its :func:`adaloss.report.decision_report` (values of torch: :meth:`to_torch`)."""
-        return decision_report(config, self.kind, self.d, self.spread, self.incoming, self.outgoing,
-                               self.absmax, self.fan_in, self.held, self.fractions, self.current,
-                               torch.special.erf, xp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +57,7 @@ class BackwardRecord:
     scale (``id(param) -> (param, scale)``), captured cotangents, statistical scales."""
 
     config: AdaLossConfig
-    decisions: dict[str, _Decision]  # values of ``math``'s namespace
+    decisions: dict[str, Decision]  # values of ``math``'s namespace
     leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
     captured: dict[str, torch.Tensor]
     captured_scales: dict[str, torch.Tensor]
@@ -346,7 +298,7 @@ class ScaledBackward:
         self.shapes: list[Any] = []  # the cotangents' shapes at the decisions (BackwardRecord.shapes)
         self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}  # (node, output)
         self.carried: set[tuple[int, int]] = set()
-        self.decisions: dict[str, _Decision] = {}
+        self.decisions: dict[str, Decision] = {}
         self.model_scales: dict[str, torch.Tensor] = {}
         self.new_spreads: dict[str, Any] = {}
         self.captured: dict[str, torch.Tensor] = {}
@@ -360,7 +312,7 @@ class ScaledBackward:
         self.feedback = Feedback()
         self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
         # node index -> its weight's statistics and size (_weight_stats), for this backward
-        self._weights: dict[int, tuple[decisions.Sums, int]] | None = None
+        self.weights: dict[int, tuple[decisions.Sums, int]] | None = None
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
@@ -379,7 +331,7 @@ class ScaledBackward:
         weights, fractions, limited, _ = self.feedback.signal_arguments(weight_of)
         if not weights:
             return {}
-        ratios = self._math(decisions.signals, (self.config, weights), fractions, limited)
+        ratios = self.compute(decisions.signals, (self.config, weights), fractions, limited)
         return dict(zip(self.feedback.weights(weight_of), map(self.sm.to_torch, ratios)))
 
     # -- hooks --------------------------------------------------------------------
@@ -475,11 +427,11 @@ class ScaledBackward:
             hit = self._leaf_tensors[id(value)] = (value, self.sm.to_torch(value))
         return hit[1]
 
-    def _stats(self, t: solver.TensorStats | solver.LogStats) -> Any:
+    def to_scalars(self, t: solver.TensorStats | solver.LogStats) -> Any:
         """Statistics (0-d tensors) as values of the scalar namespace."""
         return type(t)(*(None if v is None else self.sm.to_xp(v) for v in t))
 
-    def _rescale(self, t: torch.Tensor, factor: Any) -> torch.Tensor:
+    def rescale(self, t: torch.Tensor, factor: Any) -> torch.Tensor:
         if self.sm is ON_HOST and t.device.type == "cpu":  # a Python number: no tensor made for it
             return t * float(factor)  # (the same product: fp16/bf16 take a CPU scalar in fp32)
         return rescale(t, self.sm.to_torch(factor))
@@ -493,27 +445,20 @@ class ScaledBackward:
         backed_off = self.bo is not None and dtype.itemsize <= 2
         static = (self.config, u_max(self.config, dtype), backed_off)
         tensors = [t for t, _ in parts]
-        if self._fusing(*tensors):
+        if self.fusing(*tensors):
             got = self.fused.call(kernels.merge, (*static, summed), tensors, [s for _, s in parts], self.bo,
                                   point=point)
             if got is not None:
                 return got
         extremes = [decisions.Sums(None, None, *torch.aminmax(t)) for t in tensors]
-        target, factors = self._math(decisions.merge_of_extremes, static, [s for _, s in parts], extremes,
+        target, factors = self.compute(decisions.merge_of_extremes, static, [s for _, s in parts], extremes,
                                      self.bo)
-        rescaled = [self._rescale(t, f) for t, f in zip(tensors, factors)]
+        rescaled = [self.rescale(t, f) for t, f in zip(tensors, factors)]
         return (sum(rescaled[1:], rescaled[0]) if summed else rescaled), target  # (in order)
 
     def _merged(self, sym: int, parts: list[int]) -> None:
         """A merged scale was set by the decisions behind its parts."""
         self.deciders[sym] = frozenset().union(*(self.deciders.get(s, frozenset()) for s in parts))
-
-    def _lift_of(self, decision: str, g: torch.Tensor) -> Any:
-        """``2^k`` of the decision's weight, in the pass's scalar namespace (None: no lift)."""
-        lift = self.lift.get(weight_of(decision))
-        if lift is None:
-            return None
-        return self.sm.to_xp(lift if lift.device == g.device else lift.to(g.device))
 
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
         for k, msym in p.merges.items():
@@ -538,86 +483,13 @@ class ScaledBackward:
                 go[k] = t
 
     # -- scale decisions ------------------------------------------------------------
-    def _cached(self, name: str) -> tuple[Any, Any] | None:
-        """(statistical scale, spread or None) of the last recompute to reuse
-        (``update_every``), as scalar-namespace values, or None: compute them."""
-        if self.recompute or name not in self.cached:
-            return None
-        spread = self.spreads.get(name)
-        if spread is not None:
-            spread = self._stats(spread) if isinstance(spread, tuple) else self.sm.to_xp(spread)
-        return self.sm.to_xp(self.cached[name]), spread
-
-    def _layer(self, p: NodePlan, go: list[Any]) -> None:
-        """The layer's scale decided from its cotangent's and weight's statistics
-        (:func:`adaloss.decisions.layer`); the node gets ``s·g``, so both its gradients carry
-        ``incoming·s``."""
-        g, incoming = go[0], self.values[p.sym]
-        if g is None or incoming is None:
-            self.values[p.send] = incoming
-            return
-        cfg = self.config
-        cached = self._cached(p.name)
-        behind = sorted(self.deciders.get(p.sym, frozenset()))
-        limited = self.feedback.flags(behind)
-        lift = self._lift_of(p.name, g)
-        operand = self._wgrad_operand(p, g)
-        got = None
-        x = None if operand is None else operand[0]
-        ws, w_size = (None, 0) if cfg.model == "gradient" else self._weight_stats(p)
-        if self._fusing(g, *(() if x is None else (x,))):  # statistics, math and rescale: one call
-            static = (cfg, p.fan_in, w_size, self._wgrad_limit(g), p.act_attr == "_saved_input",
-                      p.weight_side)
-            got = self.fused.call(kernels.layer, static, g, x, ws, incoming, self.bo, lift,
-                                  *((None, None) if cached is None else cached), limited, point=p.name)
-        if got is None:
-            dec = self._layer_decision(p, g, operand, (ws, w_size), cached, incoming, lift, limited)
-            go[0] = self._rescale(g, dec.d.scale)
-        else:
-            go[0], dec = got
-        d = dec.d
-        if dec.fraction is not None:
-            self.feedback.hear(behind, dec.fraction)
-        self.deciders[p.send] = frozenset({p.name})
-        self.feedback.decided(p.name, dec.limited)
-        self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
-        self.values[p.send] = dec.outgoing
-        self.decisions[p.name] = _Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
-                                           False if dec.held is None else dec.held)
-
-    def _layer_decision(self, p: NodePlan, g: torch.Tensor, operand: tuple[torch.Tensor, int] | None,
-                        weight: tuple[decisions.Sums | None, int], cached: tuple[Any, Any] | None,
-                        incoming: Any, lift: Any, limited: list[Any]) -> decisions.LayerDecision:
-        """A layer's decision from its cotangent's statistics read op by op (:meth:`_layer`), and
-        its weight's (:meth:`_weight_stats`, and its size)."""
-        cfg = self.config
-        ws, w_size = weight
-        norms, rows = (None, 0) if operand is None else self._weight_grad_norms(p, g, operand)
-        counts = None
-        if cached is None or cached[1] is None:
-            gs, counts = cotangent_stats(g, cfg.model == "gradient",
-                                         cfg.underflow_limit if cfg.underflow_feedback else None,
-                                         self.sm is ON_HOST)
-        else:  # only the overflow caps need current statistics
-            gs = decisions.Sums(None, None, *torch.aminmax(g))
-        if cfg.underflow_feedback and counts is None:
-            counts = subnormal_counts(g, cfg.underflow_limit, self.sm is ON_HOST)
-        size, root_rows = g.numel(), float(rows) ** 0.5
-        if self.sm is ON_TENSORS and self.fused is not None:  # values, not static: no compile per batch
-            size = self.fused.constant(size, torch.int64, g.device)
-            root_rows = self.fused.constant(root_rows, _F32, g.device)
-        return self._math(decisions.layer, (cfg, p.fan_in, w_size, self._wgrad_limit(g)),
-                          size, gs, ws, norms, root_rows, incoming, self.bo, lift,
-                          None if cached is None else cached[0], None if cached is None else cached[1],
-                          counts, limited)
-
-    def _fusing(self, *tensors: torch.Tensor) -> bool:
+    def fusing(self, *tensors: torch.Tensor) -> bool:
         """Whether this decision runs as one compiled call (:mod:`torch_bridge.kernels`):
         ``fuse_decisions``, decisions on tensors, plain tensors (not a subclass: a ``DTensor``,
         a ``FakeTensor``), not an fp8 format."""
         return self._fuse and all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
-    def _math(self, fn: Callable[..., Any], static: tuple[Any, ...], *args: Any) -> Any:
+    def compute(self, fn: Callable[..., Any], static: tuple[Any, ...], *args: Any) -> Any:
         """``fn(*static, xp, *args)`` (a function of :mod:`adaloss.decisions`) in the pass's
         scalar namespace, its 0-d tensor arguments (statistics just read) converted to it:
         compiled into one kernel (:attr:`fused`) where the decisions run on device tensors."""
@@ -625,318 +497,3 @@ class ScaledBackward:
             return self.fused(fn, static, *args)
         with np.errstate(all="ignore"):  # a non-finite gradient: inf and NaN, as torch makes them
             return fn(*static, self.sm.xp, *_converted(args, self.sm.to_xp))
-
-    def _cast(self, p: NodePlan, go: list[Any]) -> None:
-        """The cotangent narrowed at a scale decided from its log-statistics
-        (:func:`adaloss.decisions.cast`); an opaque region's at least its dynamic scale."""
-        present = [k for k in range(len(go)) if go[k] is not None]
-        incoming = self.values[p.sym]
-        if not present or incoming is None:
-            self.values[p.send] = incoming
-            return
-        cfg, sx = self.config, self.sm.xp
-        g = go[present[0]]
-        cached = self._cached(p.name)
-        if cfg.fp8 and p.kind == "cast":  # it reads its tensor anyway: current scaling
-            m = self.sm.to_xp(g.abs().amax().to(_F32))
-            d = solver.fp8_fit_scale(cfg, m, incoming, sx, self.bo)
-            outgoing = incoming * d.scale
-            self.values[p.send] = outgoing
-            self.fitted.add(p.send)
-            for k in present:
-                go[k] = self._rescale(go[k], d.scale)
-            self.decisions[p.name] = _Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
-            return
-        region = self.region_scale(p.name, g.device) if p.kind == "region" else None
-        cached_scale = None if cached is None or region is not None else cached[0]
-        cached_logs = None if cached is None else cached[1]
-        got = None
-        if self._fusing(*(go[k] for k in present)):
-            got = self.fused.call(kernels.cast, (cfg,), [go[k] for k in present], incoming, self.bo,
-                                  cached_scale, cached_logs, region, point=p.name)
-        if got is None:
-            if region is not None or cached_logs is None:
-                sums, logs = log_sums(g), None
-            else:  # only the overflow cap needs a current statistic: max|g|
-                sums, logs = None, cached_logs._replace(absmax=g.abs().amax())
-            dec = self._math(decisions.cast, (cfg,), sums, logs, incoming, self.bo, cached_scale, region)
-            for k in present:
-                go[k] = self._rescale(go[k], dec.d.scale)
-        else:
-            out, dec = got
-            for k, t in zip(present, out):
-                go[k] = t
-        d, ls, outgoing = dec
-        self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, ls
-        self.values[p.send] = outgoing
-        self.decisions[p.name] = _Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)
-        if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
-            self.regions.append(outgoing)
-
-    def _norm(self, p: NodePlan, go: list[Any]) -> None:
-        """A normalization's backward: the same scale, not fitted (fp8: the next cast reads its
-        tensor's max)."""
-        self.values[p.send] = self.values[p.sym]
-        self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
-
-    def _factor(self, p: NodePlan, go: list[Any]) -> None:
-        """Before ``x·c`` / ``x/c`` (``c`` a scalar) multiplies the 16-bit cotangent by ``|c|`` /
-        ``1/|c|`` (:func:`adaloss.solver.amplified_scale`), and before a weight broadcast over it
-        gets its gradient summed in 16 bits (:meth:`_reduction_cap`): the cotangent and its
-        scale lowered by the power of two that keeps both finite."""
-        g, incoming = go[0], self.values[p.sym]
-        if g is None or incoming is None:
-            self.values[p.send] = incoming
-            return
-        sx, r = self.sm.xp, None
-        node = self.plan.nodes[p.index]
-        data = peek_saved(node, p.factor_attr) if p.factor_attr else None
-        if data is not None:
-            number = python_number(data)
-            if number is None:  # a tensor (a 0-d CPU one may multiply a device tensor)
-                c = read_saved(node, p.factor_attr).detach().to(device=g.device, dtype=_F32).abs().reshape(())
-            else:  # read on the host, no copy to the device
-                c = torch.full((), abs(number), dtype=_F32, device=g.device)
-            factor = 1.0 / c if p.factor_div else c
-            m = g.abs().amax().to(_F32)
-            r = solver.amplified_scale(self.config, self.sm.to_xp(m), self.sm.to_xp(factor), sx, self.bo)
-        cap = self._reduction_cap(p, g) if p.reduce_shape else None
-        if cap is not None:
-            r2 = solver.at_most(cap, sx)
-            r = r2 if r is None else sx.minimum(r, r2)
-        if r is None:
-            self.values[p.send] = incoming
-            return
-        self._lowered(p, go, r)
-
-    def _reduction_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
-        """:func:`adaloss.solver.weight_grad_cap` for the gradient of a weight broadcast over
-        ``g`` (``p.reduce_shape``): each of its entries sums the entries of ``g`` (times those
-        of the saved activation, for a product) it was broadcast to, bounded by Cauchy-Schwarz
-        over them. None where the activation is packed by saved-tensor hooks."""
-        shape = p.reduce_shape
-        rows = g.numel() // max(1, math.prod(shape))
-        g_norm = g.to(_F32).square().sum_to_size(shape).amax().sqrt()
-        x_norm = torch.zeros((), dtype=_F32, device=g.device)
-        if p.reduce_attr:
-            x = self._saved(p, p.reduce_attr)
-            if x is None:
-                return None
-            x_norm = x.detach().to(_F32).square().expand(g.shape).sum_to_size(shape).amax().sqrt()
-            rows = 0  # no bias term: the bound is the two norms'
-        return solver.weight_grad_cap(self.config, self.sm.to_xp(g_norm), self.sm.to_xp(x_norm), rows,
-                                      self.sm.xp, self.bo, self._wgrad_limit(g))
-
-    def _input_layer(self, p: NodePlan, go: list[Any]) -> None:
-        """A first layer (its input needs no gradient: no decision) computes its weight and bias
-        gradients in 16 bits from the cotangent it receives: lowered by the power of two that
-        keeps them finite (:func:`adaloss.solver.weight_grad_cap`)."""
-        g, incoming = go[0], self.values[p.sym]
-        cap = None if g is None or incoming is None else self._weight_grad_cap(p, g)
-        if cap is None:
-            self.values[p.send] = incoming
-            return
-        self._lowered(p, go, solver.at_most(cap, self.sm.xp))
-
-    def _lowered(self, p: NodePlan, go: list[Any], r: Any) -> None:
-        """The node's cotangent and the scale it passes on, times ``r`` (a power of two ≤ 1)."""
-        self.values[p.send] = self.values[p.sym] * r
-        self.deciders[p.send] = self.deciders.get(p.sym, frozenset())
-        if p.sym in self.fitted:
-            self.fitted.add(p.send)
-        go[0] = self._rescale(go[0], r)
-
-    def _layer_fp8(self, p: NodePlan, go: list[Any]) -> None:
-        """A layer (or first layer) with an fp8 ``grad_format``: the incoming cotangent (carrying
-        ``P``) quantized once, saturating (:func:`adaloss.solver.to_fp8`), and handed to the node times the
-        decision's scale (:func:`adaloss.solver.fp8_layer_scale`): both its GEMMs read the fp8
-        values. Where no decision fitted ``P`` to the format (the first cast after the loss),
-        or with ``fp8_rule="current"``, it is fitted to the tensor's own ``max|g|`` first."""
-        g, incoming = go[0], self.values[p.sym]
-        if g is None or incoming is None:
-            self.values[p.send] = incoming
-            return
-        cfg, sx = self.config, self.sm.xp
-        current = cfg.fp8_rule == "current" or p.sym not in self.fitted
-        if current:
-            fit = solver.fp8_fit_scale(cfg, self.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, self.bo)
-            g, incoming = self._rescale(g, fit.scale), incoming * fit.scale
-        behind = self.deciders.get(p.sym, frozenset())
-        q, gq, hist, fractions = self._quantize(g, behind)
-        q_absmax = hist.absmax
-        wcap = self._weight_grad_cap(p, gq)
-        if p.kind == "input":  # no decision: only the node's 16-bit weight gradient capped
-            r = sx.ones_like(incoming) if wcap is None else solver.at_most(wcap, sx)
-            one = sx.ones_like(incoming)
-            d = solver.LayerScale(r, one, sx.zeros_like(incoming), r)
-            kind = "first"
-        else:
-            modelled = cfg.fp8_rule != "current" and cfg.layer_rule  # else 1 (decisions.fp8_layer)
-            cached = self._cached(p.name) if modelled else None
-            # E[g²] from the histogram; for a fresh decision, the largest row's
-            # (solver.worst_row_sq_mean): one pass over the rows' sums of squares
-            gs = solver.TensorStats(None, hist.sq_sum / gq.numel(), None, None, q_absmax)
-            node = self.plan.nodes[p.index]
-            ws = (node._forward_cls.weight_statistics(node, self.sm) if node.name() == FP8_NODE
-                  else self._stats(tensor_stats(self._weight(p), with_mean=False)))
-            row_sq = None
-            if modelled and cached is None:
-                rows = torch.linalg.vector_norm(gq, dim=p.feature_dim, dtype=_F32)
-                row_sq = self.sm.to_xp(rows.amax().square() / gq.shape[p.feature_dim])
-            s_model, sigma = (None, None) if cached is None else cached
-            dec = decisions.fp8_layer(cfg, p.fan_in, torch.finfo(g.dtype).max, sx, gs, ws, wcap, incoming,
-                                      self.bo, self._lift_of(p.name, g), s_model, sigma, row_sq, ())
-            d = dec.d
-            self.model_scales[p.name], self.new_spreads[p.name] = d.model_scale, d.sigma
-            self.deciders[p.send] = frozenset({p.name})
-            self.feedback.decided(p.name, dec.limited)
-            kind = "layer"
-        if kind == "first":
-            self.deciders[p.send] = behind
-        held = self.feedback.held(behind)
-        held = False if held is None else held
-        outgoing = incoming * d.scale
-        self.values[p.send] = outgoing
-        self.fitted.add(p.send)
-        node = self.plan.nodes[p.index]
-        if node.name() == FP8_NODE:  # its GEMMs read q itself, times the scale; its bias
-            setattr(node, FP8_COTANGENT, (q, self.sm.to_torch(d.scale).to(g.device)))
-            go[0] = g  # gradient sums the 16-bit cotangent
-        else:
-            go[0] = self._rescale(gq, d.scale)
-        self.decisions[p.name] = _Decision(kind, d, d.sigma, incoming, outgoing, q_absmax,
-                                           p.fan_in, held, fractions, current)
-
-    def _quantize(self, g: torch.Tensor, behind: frozenset[str]
-                  ) -> tuple[torch.Tensor, torch.Tensor, solver.Fp8Histogram, Any]:
-        """``g`` cast to the fp8 format once (:func:`adaloss.solver.to_fp8`): the fp8 values, the
-        same in ``g``'s dtype (exactly: what a node's 16-bit GEMMs read), their statistics
-        (:func:`fp8_histogram`) and the cast's fractions (:func:`adaloss.solver.quantized_fractions`),
-        in the pass's scalar namespace; the decisions ``behind`` the scale hear the fractions'
-        signal (:func:`adaloss.solver.fp8_signal`)."""
-        cfg, sm = self.config, self.sm
-        q = solver.to_fp8(g, getattr(torch, cfg.grad_format), cfg.overflow_limit, xp)
-        gq = q.to(g.dtype)  # exact: every fp8 value is a 16-bit one
-        hist, fractions = fp8_cast_counts(g, q, cfg, sm)
-        if cfg.underflow_feedback:
-            if sm.xp is xp:
-                erfinv = torch.special.erfinv
-            else:  # NumPy scalars
-                from scipy.special import erfinv
-            with np.errstate(divide="ignore", invalid="ignore"):  # NumPy warns where torch gives ±inf
-                signal = solver.fp8_signal(cfg, *fractions, hist.absmax, erfinv, sm.xp)
-            self.feedback.hear(behind, signal)
-        return q, gq, hist, fractions
-
-    def _saved(self, p: NodePlan, attr: str) -> torch.Tensor | None:
-        """The node's saved tensor ``attr``, or None when saved-tensor hooks pack it
-        (``torch.utils.checkpoint``: reading it here would leave none for the node's backward)."""
-        return read_saved(self.plan.nodes[p.index], attr)
-
-    def _wgrad_operand(self, p: NodePlan, g: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """The saved activation ``x`` and the rows :func:`adaloss.solver.weight_grad_cap` sums
-        over, for a node that computes its weight (and bias) gradient in ``g``'s 16-bit dtype
-        from ``s·g``: a matmul (``nn.Linear``, HF ``Conv1D``, ``bmm``/``matmul`` with a
-        parameter, ``torch._grouped_mm`` experts: batch and token dimensions are rows, so the
-        bound also holds for a weight expanded over a batch, whose gradient sums them) or a
-        convolution (:func:`torch_bridge.kernels.wgrad_columns`); None elsewhere (``mv``, fp32
-        gradients, an activation packed by saved-tensor hooks, shapes that do not pair)."""
-        if not p.act_attr or g.dtype.itemsize > 2:
-            return None
-        x = self._saved(p, p.act_attr)
-        if x is None or x.dim() < 2 or g.dim() < 2 or g.numel() == 0 or x.numel() == 0:
-            return None
-        if p.act_attr == "_saved_input":  # rows: batch and positions
-            return (x, g.numel() // g.shape[1]) if x.dim() == g.dim() else None
-        axis = -2 if p.weight_side == 0 else -1
-        rows = g.numel() // g.shape[axis]
-        return (x, rows) if rows == x.numel() // x.shape[axis] else None
-
-    def _weight_grad_norms(self, p: NodePlan, g: torch.Tensor, operand: tuple[torch.Tensor, int]
-                           ) -> tuple[tuple[Any, Any], int]:
-        """The largest squared column norms of ``g`` and of the activation (0-d fp32 tensors)
-        and the rows they sum over (:meth:`_wgrad_operand`)."""
-        gm, xm = kernels.wgrad_columns(g, operand[0].detach(), p.act_attr == "_saved_input", p.weight_side)
-        return (sum_of_squares(gm, 0).amax(), sum_of_squares(xm, 0).amax()), operand[1]
-
-    def _weight_grad_cap(self, p: NodePlan, g: torch.Tensor) -> Any:
-        """:func:`adaloss.solver.weight_grad_cap` for a node that computes its weight (and bias)
-        gradient in ``g``'s 16-bit dtype from ``s·g`` (:meth:`_weight_grad_norms`), in the
-        pass's scalar namespace; None where there is none to bound."""
-        operand = self._wgrad_operand(p, g)
-        if operand is None:
-            return None
-        norms, rows = self._weight_grad_norms(p, g, operand)
-        return decisions.weight_grad_cap(self.config, self._wgrad_limit(g), self.sm.xp,
-                                         tuple(map(self.sm.to_xp, norms)), float(rows) ** 0.5, self.bo)
-
-    def _weight_stats(self, p: NodePlan) -> tuple[decisions.Sums, int]:
-        """The layer's weight's statistics (:func:`weight_stats`), batched for all the layers
-        at the first one a backward reaches, and its size."""
-        if self._weights is None:
-            # every layer whose weight is saved in memory now (not packed by saved-tensor
-            # hooks, nor freed until FSDP2 gathers it again for the layer's backward)
-            layers, weights = [], []
-            for q in self.plan.order:
-                w = self._saved(q, q.weight_attr) if q.kind == "layer" else None
-                if type(w) in (torch.Tensor, torch.nn.Parameter) and w.untyped_storage().nbytes() > 0:
-                    layers.append(q)
-                    weights.append(w)
-            stats = self._weight_sums(weights, "weights")
-            self._weights = {q.index: (st, w.numel()) for q, st, w in zip(layers, stats, weights)}
-        got = self._weights.get(p.index)
-        if got is None:
-            w = self._weight(p)
-            got = self._weight_sums([w], p.name)[0], w.numel()
-        return got
-
-    def _weight_sums(self, weights: list[torch.Tensor], point: str) -> list[decisions.Sums]:
-        """:func:`weight_stats` of ``weights``, or one compiled call for them all where the pass
-        fuses (:func:`torch_bridge.kernels.weights`)."""
-        if weights and self._fusing(*weights):
-            got = self.fused.call(kernels.weights, (), weights, point=point)
-            if got is not None:
-                return got
-        return weight_stats(weights)
-
-    def _wgrad_limit(self, g: torch.Tensor) -> float | None:
-        """What a node's 16-bit weight gradient must stay below: ``u_max``, or with an fp8
-        ``grad_format`` (fp8 is only what the node reads) the 16-bit dtype's max."""
-        return torch.finfo(g.dtype).max if self.config.fp8 else None
-
-    def _weight(self, p: NodePlan) -> torch.Tensor:
-        """The layer's weight operand: the node's saved copy, or, when saved tensors are packed
-        by hooks (``torch.utils.checkpoint``: reading it here would leave none for the node's
-        own backward), the same values rebuilt from the parameter (``NodePlan.recipe``)."""
-        saved = self._saved(p, p.weight_attr)
-        if saved is not None:
-            return saved
-        if p.recipe is None:
-            raise RuntimeError(
-                f"adaptive loss scaling: the weight of layer {p.name} is saved through saved-tensor "
-                "hooks (torch.utils.checkpoint or torch.autograd.graph.saved_tensors_hooks) and is "
-                "computed from its parameter by ops other than casts, moves and scalar factors, so "
-                "its statistics cannot be read without consuming the saved copy. Use "
-                "AdaLossConfig(model='gradient') (no weight statistics), or keep that layer out of "
-                "the checkpointed region.")
-        pos, ops = p.recipe
-        w = self.plan.params[pos].detach()
-        for op, arg in ops:
-            if op == "cast":
-                w = w.to(arg)
-                continue
-            v = read_saved(self.plan.nodes[arg[0]], arg[1]).detach()  # this graph's scalar
-            w = w * v if op == "mul" else (w / v if op == "div" else v / w)
-        return w
-
-
-#: per node kind, the hook's rule with a 16-bit and with an fp8 ``grad_format``; an ``op`` node
-#: passes its cotangent's scale on (a parameter's gradient: to the scaler, :meth:`ScaledBackward.pre`)
-RULES: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
-    "layer": (ScaledBackward._layer, ScaledBackward._layer_fp8),
-    "input": (ScaledBackward._input_layer, ScaledBackward._layer_fp8),
-    "cast": (ScaledBackward._cast, ScaledBackward._cast),
-    "region": (ScaledBackward._cast, ScaledBackward._cast),
-    "factor": (ScaledBackward._factor, ScaledBackward._factor),
-    "norm": (ScaledBackward._norm, ScaledBackward._norm),
-}

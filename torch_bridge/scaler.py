@@ -42,7 +42,7 @@ from adaloss import decisions, skips, solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
 from torch_bridge._xp import xp
-from torch_bridge.fused import BACKENDS, FusedMath
+from torch_bridge.fused import BACKENDS, FusedMath, FusionSchedule
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import (
     COMPILED_AUTOGRAD,
@@ -54,14 +54,14 @@ from torch_bridge.hooks import (
 )
 from torch_bridge.regions import RegionScales, found_total
 from torch_bridge.sharded import (
+    Fp16Routes,
     agree_found_inf,
-    fp16_copies,
     fsdp2_modules,
     local_grad,
     refuse_fsdp1,
-    route_unscaled,
     unsharded_names,
 )
+from torch_bridge.skip_ledger import SkipLedger
 
 _F32 = torch.float32
 
@@ -162,20 +162,13 @@ class AdaLossScaler:
                 f"AdaLossScaler: the module {type(model).__name__} has no parameters, so no layer of a "
                 "backward can be named or scaled. Pass the module whose parameters the optimizer trains "
                 "(several models: AdaLossScaler(torch.nn.ModuleList([model_a, model_b]))).")
-        if warn_after_skips is not None and (not isinstance(warn_after_skips, int)
-                                             or isinstance(warn_after_skips, bool) or warn_after_skips < 1):
-            raise ValueError(f"warn_after_skips must be an int >= 1 or None, got {warn_after_skips!r}")
-        self.warn_after_skips = warn_after_skips
+        # skipped steps: counted, diagnosed, said (warn_after_skips checked there)
+        self._skips = SkipLedger(warn_after_skips)
         refuse_fsdp1(model)
         #: FSDP2: gradients are unscaled as autograd delivers them, the inf/NaN check all-reduced
         self._sharded = bool(fsdp2_modules(model))
-        # FSDP2 with fp16 copies: id(copy) -> FSDPParam, the scale its gradient carries until
-        # it is routed (unscaled into FSDP2's fp32 gradient), the post-accumulate hooks, and
-        # the sharded parameters routed since the last update()
-        self._f16: dict[int, Any] = {}
-        self._route_scales: dict[int, torch.Tensor] = {}
-        self._route_hooks: dict[int, Any] = {}
-        self._routed: set[int] = set()
+        # FSDP2 with fp16 copies: each gradient unscaled into FSDP2's fp32 one once accumulated
+        self._routes = Fp16Routes()
         if self._sharded and unscale_in_backward is False:
             raise ValueError("unscale_in_backward=False with fully_shard (FSDP2): FSDP2 reduce-scatters "
                              "each gradient in its post-backward hook, so ranks' per-layer scales must "
@@ -197,21 +190,16 @@ class AdaLossScaler:
         if isinstance(fuse_decisions, str) and fuse_decisions not in ("auto", *BACKENDS):
             raise ValueError(f"fuse_decisions must be \"auto\" or a backend of {BACKENDS}, "
                              f"got {fuse_decisions!r}")
-        self._fused = (fuse_decisions if isinstance(fuse_decisions, FusedMath)
-                       else None if fuse_decisions is False
-                       else FusedMath("inductor", steady_after=STEADY_AFTER) if fuse_decisions == "auto"
-                       else FusedMath("inductor" if fuse_decisions is True else fuse_decisions))
-        # the decisions' shapes in the last backward, how many backwards in a row met them, and
-        # whether the backward in progress runs its decisions compiled (FusedMath.steady_after)
-        self._shapes: tuple[Any, ...] | None = None
-        self._steady = 0
-        self._fusing = False
+        # when the backwards run their decisions compiled
+        self._schedule = FusionSchedule(
+            fuse_decisions if isinstance(fuse_decisions, FusedMath)
+            else None if fuse_decisions is False
+            else FusedMath("inductor", steady_after=STEADY_AFTER) if fuse_decisions == "auto"
+            else FusedMath("inductor" if fuse_decisions is True else fuse_decisions))
         self.unscale_in_backward = unscale_in_backward
         self._at_leaf = False  # this backward unscales at the leaves
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._iteration = 0  # update() calls
-        self._skipped = 0
-        self._last_skipped = False
         self._model_scales: dict[str, torch.Tensor] = {}
         self._spreads: dict[str, Any] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # scale of p.grad now
@@ -227,15 +215,6 @@ class AdaLossScaler:
         # ratio the backwards since the last update() reported
         self._lift: dict[str, torch.Tensor] = {}
         self._ratio: dict[str, torch.Tensor] = {}
-        # skipped steps: the backwards of this iteration (their losses and decisions say why),
-        # whether a step() of it skipped, skipped iterations in a row and in all, the latest
-        # diagnosis and a count per cause
-        self._records: list[BackwardRecord] = []
-        self._iteration_skipped = False
-        self._run = 0
-        self._skipped_iterations = 0
-        self._last_skip: skips.SkipDiagnosis | None = None
-        self._skip_causes: dict[str, int] = {}
         self._warned_global = False
 
     # -- properties -------------------------------------------------------------------
@@ -249,7 +228,12 @@ class AdaLossScaler:
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because a gradient was not finite."""
-        return self._skipped
+        return self._skips.steps
+
+    @property
+    def warn_after_skips(self) -> int | None:
+        """Skipped steps in a row after which the scaler warns (``None``: never)."""
+        return self._skips.warn_after
 
     @property
     def last_step_skipped(self) -> bool:
@@ -258,7 +242,7 @@ class AdaLossScaler:
         scheduler can follow it (``if not scaler.last_step_skipped: scheduler.step()``); trainers
         that detect a skip by ``optimizer.step`` not being called (Accelerate, HF ``Trainer``)
         see it too."""
-        return self._last_skipped
+        return self._skips.last
 
     @property
     def iteration(self) -> int:
@@ -268,18 +252,18 @@ class AdaLossScaler:
     @property
     def consecutive_skipped(self) -> int:
         """Iterations in a row, up to the last ``update()``, whose step was skipped."""
-        return self._run
+        return self._skips.run
 
     @property
     def last_skip(self) -> skips.SkipDiagnosis | None:
         """Why the latest skipped iteration was skipped (:func:`adaloss.skips.diagnose`: a
         non-finite loss, the first layer whose backward made an inf/NaN, ...), or ``None``."""
-        return self._last_skip
+        return self._skips.last_skip
 
     @property
     def skip_causes(self) -> dict[str, int]:
         """Skipped iterations per cause (:class:`adaloss.skips.SkipCause` values)."""
-        return dict(self._skip_causes)
+        return dict(self._skips.causes)
 
     # -- backward ---------------------------------------------------------------------
     @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
@@ -311,7 +295,7 @@ class AdaLossScaler:
                          cache=self._plans, fp8=self._config.fp8,
                          grad_dtype=None if self._config.fp8 else getattr(torch, self._config.grad_format))
         if self._sharded:
-            self._hook_fp16_copies()
+            self._routes.hook(self._model)
         if plan.fresh:
             refuse_fsdp1(model)
             _warn_coverage(plan)
@@ -327,33 +311,12 @@ class AdaLossScaler:
         sb = ScaledBackward(plan, self._config, self._on_leaf, self._on_done, recompute=recompute,
                             model_scales=self._model_scales, spreads=self._spreads, capture=self.capture,
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
-                            every_leaf=self._at_leaf, fused=self._fuse_now(), loss=outputs.detach(),
+                            every_leaf=self._at_leaf, fused=self._schedule.next(), loss=outputs.detach(),
                             **self.levels(outputs.device))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
         return outputs
-
-    def _hook_fp16_copies(self) -> None:
-        """Hook each fp16 unsharded copy (FSDP2) once: after autograd accumulates its fp16
-        gradient, unscale it into the fp32 gradient FSDP2 reduce-scatters."""
-        self._f16 = fp16_copies(self._model)
-        me = weakref.ref(self)
-        for key, fp in self._f16.items():
-            if key not in self._route_hooks:
-                self._route_hooks[key] = fp.unsharded_param.register_post_accumulate_grad_hook(
-                    lambda param, me=me: me()._route(param) if me() is not None else None)
-
-    def _route(self, param: torch.Tensor) -> None:
-        scale = self._route_scales.pop(id(param), None)
-        if param.grad is None:
-            return
-        if scale is None:
-            raise RuntimeError("AdaLossScaler: an fp16 FSDP2 parameter received a gradient outside a "
-                               "scaled backward; call scaler.scale(loss).backward().")
-        fp = self._f16[id(param)]
-        route_unscaled(fp, param.grad, scale)
-        self._routed.add(id(fp.sharded_param))
 
     def _bound(self) -> torch.nn.Module:
         """The model; raises, with the remedy, for a scaler unpickled where its model is not."""
@@ -436,7 +399,7 @@ class AdaLossScaler:
         yet, to carry ``scale`` (nothing else: a gradient left from before is not touched)."""
         groups: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for p, old in self._pending.values():
-            if p.grad is None or id(p) in self._f16:  # (an FSDP2 copy's: routed unscaled)
+            if p.grad is None or p in self._routes:  # (an FSDP2 copy's: routed unscaled)
                 continue
             grad = _values(local_grad(p.grad))
             groups.setdefault((id(old), grad.device), (old, []))[1].append(grad)
@@ -447,7 +410,7 @@ class AdaLossScaler:
                     targets[dev] = torch.full((), scale, dtype=_F32, device=dev)
                 torch._foreach_mul_(grads, targets[dev] / old.to(dev))
         for key, (p, _) in list(self._pending.items()):
-            if p.grad is not None and id(p) not in self._f16:
+            if p.grad is not None and p not in self._routes:
                 self._pending[key] = (p, targets[_values(local_grad(p.grad)).device])
 
     @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
@@ -466,10 +429,9 @@ class AdaLossScaler:
         if not self._enabled:
             return
         self.unscale_(optimizer)
-        self._last_skipped = self._found_inf(optimizer)
-        self._iteration_skipped |= self._last_skipped
-        if self._last_skipped:
-            self._skipped += 1
+        skipped = self._found_inf(optimizer)
+        self._skips.stepped(skipped)
+        if skipped:
             _skip_next_step(optimizer)
         self._per_optimizer[id(optimizer)]["stage"] = _Stage.STEPPED
         self.update()
@@ -480,9 +442,9 @@ class AdaLossScaler:
         or what the last backward left) to one scale; with ``unscale_in_backward``, to scale 1."""
         if self._at_leaf:
             if grad.dtype == torch.float16:
-                if id(param) not in self._f16:
+                if param not in self._routes:
                     raise ValueError(_FP16_GRADS)
-                self._route_scales[id(param)] = scale  # unscaled in fp32 once accumulated
+                self._routes.scales[id(param)] = scale  # unscaled in fp32 once accumulated
                 return grad, scale
             return _times(grad, scale.reciprocal()), self._one(grad.device)
         if param.grad is None:
@@ -503,22 +465,12 @@ class AdaLossScaler:
             one = self._ones[device] = torch.ones((), dtype=_F32, device=device)
         return one
 
-    def _fuse_now(self) -> FusedMath | None:
-        """The compiled decisions for the backward being prepared: where ``fuse_decisions``
-        compiles here and the last ``steady_after`` backwards met the same shapes."""
-        f = self._fused
-        self._fusing = f is not None and f.failed is None and self._steady >= f.steady_after
-        return f if self._fusing else None
-
     def _on_done(self, record: BackwardRecord) -> None:
-        if record.shapes == self._shapes:
-            self._steady += 1
-        else:
-            self._shapes, self._steady = record.shapes, 1
+        self._schedule.saw(record.shapes)
         if record.global_reason is not None and not self._warned_global:
             self._warned_global = True
             warnings.warn(_GLOBAL_BACKWARD.format(how=record.global_reason), stacklevel=_user_stacklevel())
-        self._records.append(record)
+        self._skips.records.append(record)
         self._last = record
         self._pending.update(record.leaf_scales)
         self._model_scales.update(record.model_scales)
@@ -545,7 +497,7 @@ class AdaLossScaler:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
-                    if id(p) in self._routed:
+                    if id(p) in self._routes.routed:
                         raise RuntimeError(
                             "FSDP2 did not reduce-scatter the fp32 gradient AdaLossScaler unscaled for an "
                             f"fp16 parameter (torch {torch.__version__}): its internals may have changed. "
@@ -595,11 +547,9 @@ class AdaLossScaler:
         if not state["found_inf"]:
             state["stage"] = _Stage.READY
         retval = None
-        self._last_skipped = self._found_inf(optimizer)
-        self._iteration_skipped |= self._last_skipped
-        if self._last_skipped:
-            self._skipped += 1
-        else:
+        skipped = self._found_inf(optimizer)
+        self._skips.stepped(skipped)
+        if not skipped:
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = _Stage.STEPPED
         return retval
@@ -627,53 +577,19 @@ class AdaLossScaler:
             state = [h if here else None, good if here else None, *(self._lift[n] for n in names)]
             ratios = [self._ratio[n].to(dev) for n in names]
             args = (*state[:2], state[2:], ratios, found_total(found_inf, dev))
-            new_h, new_good, new_lifts = (self._fused(decisions.levels, (self._config,), *args)
-                                          if self._fusing and self._fused is not None
+            fused = self._schedule.fused if self._schedule.active else None
+            new_h, new_good, new_lifts = (fused(decisions.levels, (self._config,), *args) if fused is not None
                                           else decisions.levels(self._config, xp, *args))
             for old, value in zip(state, [new_h, new_good, *new_lifts]):
                 if old is not None:
                     old.copy_(value)
         self._ratio = {}
-        self._count_skip()
+        said = self._skips.end_iteration(self._model, self._last, self._iteration)
+        if said is not None:
+            warnings.warn(said, skips.SkippedStepsWarning, stacklevel=_user_stacklevel())
         self._per_optimizer.clear()
         self._pending.clear()
-        self._routed.clear()
-        self._records = []
-
-    def _count_skip(self) -> None:
-        """After an iteration: count a skipped one (``step`` read its flag already), say why
-        (:func:`adaloss.skips.diagnose`, reading the device only now), and warn once per run of
-        ``warn_after_skips`` in a row."""
-        skipped, self._iteration_skipped = self._iteration_skipped, False
-        if not skipped:
-            self._run = 0
-            return
-        self._run += 1
-        self._skipped_iterations += 1
-        diagnosis = self._diagnose()
-        self._last_skip = diagnosis
-        self._skip_causes[diagnosis.cause.value] = self._skip_causes.get(diagnosis.cause.value, 0) + 1
-        if self._run == self.warn_after_skips:
-            warnings.warn(skips.warning_text(diagnosis, self._run, self._skipped_iterations, self._iteration),
-                          skips.SkippedStepsWarning, stacklevel=_user_stacklevel())
-
-    def _diagnose(self) -> skips.SkipDiagnosis:
-        """:func:`adaloss.skips.diagnose` from this iteration's backwards (their losses, each
-        decision's ``max|g|``, in the order the backward reached them) and the gradients."""
-        records = self._records or ([self._last] if self._last is not None else [])
-        loss_finite = all(r.loss is None or bool(torch.isfinite(r.loss).all()) for r in records)
-        checks: list[list[skips.LayerCheck]] = []
-        for r in records:
-            decided = [(name, d.to_torch(r.math)) for name, d in r.decisions.items()]
-            checks.append([skips.LayerCheck(name, None if d.kind == "cast" else weight_of(name),
-                                            bool(torch.isfinite(d.absmax).all()))
-                           for name, d in reversed(decided)])  # (recorded in forward order)
-        layers = next((c for c in checks if not all(k.finite for k in c)), checks[-1] if checks else [])
-        model = self._model
-        grads = {} if model is None else {
-            name: bool(torch.isfinite(_values(local_grad(p.grad))).all())
-            for name, p in model.named_parameters() if p.grad is not None}
-        return skips.diagnose(loss_finite, layers, grads)
+        self._routes.routed.clear()
 
     # -- telemetry ----------------------------------------------------------------------
     def grad_scales(self) -> dict[str, torch.Tensor]:
@@ -710,17 +626,13 @@ class AdaLossScaler:
         state.update(
             _model=None, _model_names=self._parameter_names(),
             _pending={names[k]: scale for k, (_, scale) in self._pending.items() if k in names},
-            _last=None, _records=[], _plans=OrderedDict(), _ones={}, _f16={}, _route_scales={},
-            _route_hooks={}, _routed=set(),
-            _fused=None if self._fused is None else (self._fused.backend, self._fused.max_shapes,
-                                                     self._fused.steady_after))
+            _last=None, _plans=OrderedDict(), _ones={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        pending, fused = state.pop("_pending"), state.pop("_fused")
+        pending = state.pop("_pending")
         self.__dict__.update(state)
-        self._fused = None if fused is None else FusedMath(*fused)
         self._attach(_MODELS.get(self._token), pending)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AdaLossScaler:
@@ -753,14 +665,13 @@ class AdaLossScaler:
         if not self._enabled:
             return {}
         return {"config": dataclasses.asdict(self._config), "iteration": self._iteration,
-                "skipped_steps": self._skipped, "parameters": self._parameter_names(),
+                "skipped_steps": self._skips.steps, "parameters": self._parameter_names(),
                 "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()},
                 "region_scales": self._regions.state_dict(),
                 "backoff": (self.backoff, int(self._backoff[1]) if self._backoff is not None
                             else self._backoff_loaded[1]),
                 "lift": {k: int(v) for k, v in self._lift.items()},
-                "skips": {"in_a_row": self._run, "iterations": self._skipped_iterations,
-                          "causes": dict(self._skip_causes)}}
+                "skips": self._skips.state_dict()}
 
     def _parameter_names(self) -> list[str]:
         """The names layers can be named after: the model's parameters, in its order."""
@@ -800,11 +711,8 @@ class AdaLossScaler:
         dropped = set(unexpected)
         keep = lambda k: _weight_key(k) not in dropped  # noqa: E731  (structural keys: None)
         self._iteration = int(state_dict["iteration"])
-        self._skipped = int(state_dict["skipped_steps"])
-        counted = state_dict.get("skips", {})  # absent from states saved before it existed
-        self._run = int(counted.get("in_a_row", 0))
-        self._skipped_iterations = int(counted.get("iterations", self._skipped))
-        self._skip_causes = {str(k): int(v) for k, v in counted.get("causes", {}).items()}
+        # (no "skips" in states saved before it existed)
+        self._skips.load_state_dict(int(state_dict["skipped_steps"]), state_dict.get("skips", {}))
         self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items() if keep(k)}
         self._regions.load_state_dict(state_dict.get("region_scales", {}))
         self._backoff_loaded = tuple(int(v) for v in state_dict.get("backoff", (0, 0)))  # type: ignore[assignment]

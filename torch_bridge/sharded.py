@@ -14,6 +14,7 @@ unscales each into the fp32 gradient FSDP2 reduce-scatters (``reduce_dtype=torch
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -98,6 +99,51 @@ def route_unscaled(fsdp_param: Any, grad: torch.Tensor, scale: torch.Tensor) -> 
     fsdp_param.unsharded_param.grad = None
 
 
+class Fp16Routes:
+    """The fp16 unsharded copies of a ``fully_shard``-ed model (``param_dtype=torch.float16``):
+    each hooked once (``register_post_accumulate_grad_hook``) so that, once autograd accumulates
+    its fp16 gradient, it is unscaled into the fp32 gradient FSDP2 reduce-scatters
+    (:func:`route_unscaled`). ``copies``: ``id(copy) -> FSDPParam``; ``scales``: the scale each
+    copy's gradient carries until it is routed; ``routed``: the sharded parameters routed since
+    the iteration began (cleared by the scaler's ``update()``). Pickled empty: the hooks and
+    copies live in their process."""
+
+    def __init__(self) -> None:
+        self.copies: dict[int, Any] = {}
+        self.scales: dict[int, torch.Tensor] = {}
+        self.hooks: dict[int, Any] = {}
+        self.routed: set[int] = set()
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return id(param) in self.copies
+
+    def hook(self, model: torch.nn.Module) -> None:
+        """Find ``model``'s fp16 copies (:func:`fp16_copies`) and hook the new ones."""
+        self.copies = fp16_copies(model)
+        me = weakref.ref(self)
+        for key, fp in self.copies.items():
+            if key not in self.hooks:
+                self.hooks[key] = fp.unsharded_param.register_post_accumulate_grad_hook(
+                    lambda param, me=me: me().route(param) if me() is not None else None)
+
+    def route(self, param: torch.Tensor) -> None:
+        scale = self.scales.pop(id(param), None)
+        if param.grad is None:
+            return
+        if scale is None:
+            raise RuntimeError("AdaLossScaler: an fp16 FSDP2 parameter received a gradient outside a "
+                               "scaled backward; call scaler.scale(loss).backward().")
+        fp = self.copies[id(param)]
+        route_unscaled(fp, param.grad, scale)
+        self.routed.add(id(fp.sharded_param))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor`` gradient (the same storage), else ``grad``."""
     to_local = getattr(grad, "to_local", None)
@@ -111,5 +157,5 @@ def agree_found_inf(found: dict[torch.device, torch.Tensor]) -> None:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
 
 
-__all__ = ["agree_found_inf", "fp16_copies", "fsdp2_modules", "local_grad", "refuse_fsdp1", "route_unscaled",
-           "unsharded_names"]
+__all__ = ["Fp16Routes", "agree_found_inf", "fp16_copies", "fsdp2_modules", "local_grad", "refuse_fsdp1",
+           "route_unscaled", "unsharded_names"]

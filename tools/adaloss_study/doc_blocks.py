@@ -401,12 +401,13 @@ def _summary(fn: Callable[..., Any]) -> str:
 
 def rules(docs: Path) -> str:
     """The rule tables each front dispatches on, read from the code (``docs`` unused): JAX's per
-    primitive and per decision kind (``jax_adaloss.trace``, ``jax_adaloss.backward``), torch's
-    per autograd node name (``torch_bridge.graph``) and per node kind (``torch_bridge.hooks``)."""
-    from jax_adaloss import backward, trace
+    primitive and per decision kind (``jax_adaloss.trace``, ``jax_adaloss.layers``), torch's
+    per autograd node name (``torch_bridge.graph``) and per node kind (``torch_bridge.layers``)."""
+    from jax_adaloss import layers, trace
 
     try:
-        from torch_bridge import graph, hooks
+        from torch_bridge import graph
+        from torch_bridge import layers as torch_layers
     except ImportError as e:
         raise RuntimeError("the design page's rule table reads torch_bridge: "
                            "pip install -e '.[torch]'") from e
@@ -427,7 +428,7 @@ def rules(docs: Path) -> str:
             out.append(f"| {front} | node kind `{kind}` | {_summary(wide)} | {rule} |")
         return out
 
-    rows += by_kind("JAX", backward.SWEEP, "backward._Sweep")
+    rows += by_kind("JAX", layers.SWEEP, "jax_adaloss.layers")
     for what, xs in (("a layer: a matmul or convolution of a weight and data", [*graph._MATMUL, graph._CONV]),
                      ("a cast: the cotangent narrowed", [graph._CAST]),
                      ("a scalar factor: the scale lowered where the product would overflow",
@@ -436,7 +437,7 @@ def rules(docs: Path) -> str:
                      ("a normalization (fp8: the next cast fits its own tensor)", graph._NORMS),
                      ("an indexed read (an embedding): how a weight is found", graph._LOOKUP)):
         rows.append(f"| PyTorch | {names(xs)} | {what} | `torch_bridge/graph.py` |")
-    rows += by_kind("PyTorch", hooks.RULES, "hooks.ScaledBackward")
+    rows += by_kind("PyTorch", torch_layers.RULES, "torch_bridge.layers")
     return "\n".join(rows)
 
 

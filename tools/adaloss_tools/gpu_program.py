@@ -488,13 +488,13 @@ def _dot_takes_fp8(comps: dict[str, list[tuple[str, str, str, str]]], types: dic
 #: what each kernel of an adaloss program does, from the functions on the stack of the value it
 #: writes (the optimized HLO keeps the frames JAX traced it under), checked in this order
 CATEGORIES = ("scalars", "merges", "statistics", "rescales", "model")
-_MERGE_FRAMES = frozenset(("_Sweep.merge", "_Sweep._one_scale", "_Sweep._agree", "agree_across"))
+_MERGE_FRAMES = frozenset(("_Sweep.merge", "one_scale", "_Sweep._agree", "agree_across"))
 #: what a merge does beyond the sum the model has too (parts that share a scale add as they are)
 _MERGE_WORK = frozenset(("rescale", "_stored", "_absmaxes", "statistics_of"))
 _STAT_FRAMES = frozenset(("statistics", "statistics_of", "_absmax", "_absmaxes", "log_magnitudes",
-                          "magnitude_stats", "_Sweep._fit_current"))
+                          "magnitude_stats", "fit_current"))
 _RESCALE_FRAMES = frozenset(("rescale", "_rescale"))
-_MODEL_FRAMES = frozenset(("_Sweep._transpose", "_Sweep._input_grad"))  # a rescale inside the vjp
+_MODEL_FRAMES = frozenset(("_Sweep._transpose", "input_grad"))  # a rescale inside the vjp
 _PASS_THROUGH = ("tuple", "bitcast", "get-tuple-element")
 #: a kernel whose every result is at most this many bytes, reading at most :data:`_SCALAR_READ`:
 #: a decision's scalar math, or a copy of a scalar output
