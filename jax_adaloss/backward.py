@@ -54,6 +54,7 @@ from adaloss.config import AdaLossConfig
 from adaloss.feedback import Feedback
 from adaloss.report import AdaLossCoverageWarning, weight_of
 from jax_adaloss.cotangents import (
+    ScaleBook,
     _absmax,
     _absmaxes,
     _like,
@@ -119,9 +120,7 @@ class _Sweep:
         self.reporting = reporting
         self.backoff = backoff  # 2^-h (fp32) from the back-off state, or None
         self.lift = lift or {}  # weight name -> 2^k (fp32) from the lift state
-        # id(scale) -> (scale, the layer decisions that set it): a decision's scale passes
-        # through ops unchanged (the same object) and is merged into new ones
-        self.deciders: dict[int, tuple[Any, frozenset[str]]] = {}
+        self.book = ScaleBook()  # who decided each scale, whether it was fitted, its inverse
         self.feedback = Feedback()  # what each layer decision heard, and scans' ratios per weight
         self.unlifted: list[str] = []  # layer decisions whose weight the lift state lacks
         # layer decisions in the order the sweep reaches them: (weight, position, whether the
@@ -131,14 +130,10 @@ class _Sweep:
         self.captured: dict[str, Any] = {}
         self.captured_scales: dict[str, Any] = {}
         self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
-        # fp8: id(scale) -> scale, for scales a decision fitted to the format's range (layers,
-        # casts, merges); a cotangent carrying another (the loss seed's) is fitted at its cast
-        self.fitted: dict[int, Any] = {}
         self.layers: dict[str, LayerReport] = {}
         self.model_scales: dict[str, Any] = {}
         self.spreads: dict[str, Any] = {}
         self.cache = cache
-        self.inverses: dict[int, tuple[Any, Any]] = {}  # id(scale) -> (scale, 1 / scale)
         # id(cotangent) -> (cotangent, a 16-bit dtype): a wider cotangent all of whose entries are
         # values of that dtype (:meth:`exact_dtype`)
         self.exact: dict[int, tuple[Any, Any]] = {}
@@ -152,15 +147,6 @@ class _Sweep:
         self.chained: set[int] = set()
         if adaptive:
             self.dual, self.chained = chains(tape)
-
-    def settle(self, x: Any) -> Any:
-        """:func:`_settled`, the inverses of the scales recorded (:meth:`inverse_of`)."""
-        return _settled(x, self.inverses)
-
-    def inverse_of(self, scale: Any) -> Any:
-        """``1 / scale`` as the reduction that settled ``scale`` computed it, or ``None``."""
-        got = self.inverses.get(id(scale))
-        return got[1] if got is not None and got[0] is scale else None
 
     def exact_dtype(self, ct: Any) -> Any:
         """The 16-bit float dtype all of ``ct``'s entries are values of, or ``None``: its own, or,
@@ -209,14 +195,14 @@ class _Sweep:
         dtype = jnp.result_type(*[p[0] for p in parts])
         scales = [p[1] for p in parts]
         if not self.config.fp8 and all(jnp.dtype(jnp.result_type(p[0])).itemsize > 2 for p in parts):
-            target = self.settle(decisions.wide_merge([jnp.asarray(s, _F32) for s in scales], jnp))
+            target = self.book.settle(decisions.wide_merge([jnp.asarray(s, _F32) for s in scales], jnp))
         else:
             absmax = _absmaxes([p[0] for p in parts])  # one kernel for all on a GPU
             target, _ = decisions.merge(self.config, self.u_max(dtype), False, jnp, scales, absmax,
                                         self.backoff)
-            target = self.settle(target)
-        self.decided(target, frozenset().union(*(self.decided_by(s) for _, s in parts)))
-        self.fit(target)
+            target = self.book.settle(target)
+        self.book.decided(target, frozenset().union(*(self.book.decided_by(s) for _, s in parts)))
+        self.book.fit(target)
         return _stored(_sum([_rescale(ct, target / s) for ct, s in parts])), target
 
     def lift_of(self, decision: str) -> Any:
@@ -229,30 +215,6 @@ class _Sweep:
             self.unlifted.append(w)
         return got
 
-    def decided(self, scale: Any, names: frozenset[str]) -> None:
-        self.deciders[id(scale)] = (scale, names)
-
-    def decided_by(self, scale: Any) -> frozenset[str]:
-        got = self.deciders.get(id(scale))
-        return got[1] if got is not None and got[0] is scale else frozenset()
-
-    def fit(self, scale: Any, fitted: bool = True) -> None:
-        """Mark ``scale`` fitted to the fp8 format's range (``fitted=False``: leave it)."""
-        if fitted:
-            self.fitted[id(scale)] = scale
-
-    def is_fitted(self, scale: Any) -> bool:
-        got = self.fitted.get(id(scale))
-        return got is not None and got is scale
-
-    def _unfitted(self, scale: Any) -> Any:
-        """``scale`` (the same value, another object) no longer fitted to the fp8 format: what a
-        normalization's backward sends may exceed what the decisions behind it modelled, so the
-        next cast reads its tensor's max (current scaling); those decisions still hear it."""
-        out = scale * jnp.ones((), _F32)
-        self.decided(out, self.decided_by(scale))
-        return out
-
     def take(self, slot: int) -> tuple[Any, Any] | None:
         parts = self.cts.pop(slot, None)
         return self.merge(parts) if parts else None
@@ -264,7 +226,7 @@ class _Sweep:
         for i, (slot, seed, seed_scale) in enumerate(seeds):
             self.chained.discard(slot)  # (a seed is one more part)
             self.cts[slot].append((seed, seed_scale))
-            self.fit(seed_scale, i < len(fitted) and fitted[i])
+            self.book.fit(seed_scale, i < len(fitted) and fitted[i])
         self.sweep_nodes(self.tape.nodes)
 
     def sweep_nodes(self, nodes: list[Node]) -> None:
@@ -297,7 +259,7 @@ class _Sweep:
                 if node.factor is not None and self.adaptive:
                     out_cts, scale = self._amplified(out_cts, scale, node.factor)
                 if node.norm and self.config.fp8 and self.adaptive:
-                    scale = self._unfitted(scale)
+                    scale = self.book.unfitted(scale)
                 chain = id(node) in self.dual
                 cts = self._elementwise(node, out_cts) if chain else self._transpose(node, out_cts)
                 if not chain and node.factor is None and not node.axes:
@@ -309,8 +271,8 @@ class _Sweep:
         """:func:`agree_across`, the common scale decided by whoever decided ``scale``."""
         floats = [c for c in cts if is_float(jnp.result_type(c))]
         cts, target = agree_across(cts, scale, axes, self.u_max(jnp.result_type(*floats)))
-        self.decided(target, self.decided_by(scale))
-        self.fit(target, self.is_fitted(scale))
+        self.book.decided(target, self.book.decided_by(scale))
+        self.book.fit(target, self.book.is_fitted(scale))
         return cts, target
 
     def _amplified(self, cts: list[Any], scale: Any, factor: Any) -> tuple[list[Any], Any]:
@@ -318,9 +280,9 @@ class _Sweep:
         cotangent (and its scale) lowered by the power of two that keeps ``factor·s·g`` finite."""
         g = cts[0]
         r = solver.amplified_scale(self.config, _absmax(_narrow_part(g)), factor, jnp, self.backoff)
-        target = self.settle(scale * r)
-        self.decided(target, self.decided_by(scale))
-        self.fit(target, self.is_fitted(scale))
+        target = self.book.settle(scale * r)
+        self.book.decided(target, self.book.decided_by(scale))
+        self.book.fit(target, self.book.is_fitted(scale))
         if isinstance(g, _Wide):
             return [_Wide(_rescale(g.narrow, r), g.wide * r)], target
         return [_rescale(g, r)], target
@@ -483,5 +445,5 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
                       "differentiated weights (pass those to tx.init); their underflow feedback is off.",
                       AdaLossCoverageWarning, stacklevel=3)
     grads = [sweep.take(s) if d else None for s, d in zip(in_slots, diff)]
-    inverses = [None if g is None else sweep.inverse_of(g[1]) for g in grads]
+    inverses = [None if g is None else sweep.book.inverse_of(g[1]) for g in grads]
     return outs, grads, sweep.report(), sweep.underflow_signals(), inverses, sweep.traces(loss)

@@ -17,6 +17,52 @@ from jax_adaloss.weight_grads import is_float
 _F32 = jnp.float32
 
 
+class ScaleBook:
+    """What the sweep knows of each scale it carries, by the scale's identity (a decided scale
+    passes through ops unchanged, the same object, and is merged into new ones): the layer
+    decisions that set it, whether a decision fitted it to the fp8 format's range (layers, casts,
+    merges; a cotangent carrying another, the loss seed's, is fitted at its cast), and its
+    inverse where the reduction that settled it computed one (:meth:`settle`)."""
+
+    def __init__(self) -> None:
+        self.deciders: dict[int, tuple[Any, frozenset[str]]] = {}  # id(scale) -> (scale, names)
+        self.fitted: dict[int, Any] = {}  # id(scale) -> scale
+        self.inverses: dict[int, tuple[Any, Any]] = {}  # id(scale) -> (scale, 1 / scale)
+
+    def settle(self, x: Any) -> Any:
+        """:func:`_settled`, the inverses of the scales recorded (:meth:`inverse_of`)."""
+        return _settled(x, self.inverses)
+
+    def inverse_of(self, scale: Any) -> Any:
+        """``1 / scale`` as the reduction that settled ``scale`` computed it, or ``None``."""
+        got = self.inverses.get(id(scale))
+        return got[1] if got is not None and got[0] is scale else None
+
+    def decided(self, scale: Any, names: frozenset[str]) -> None:
+        self.deciders[id(scale)] = (scale, names)
+
+    def decided_by(self, scale: Any) -> frozenset[str]:
+        got = self.deciders.get(id(scale))
+        return got[1] if got is not None and got[0] is scale else frozenset()
+
+    def fit(self, scale: Any, fitted: bool = True) -> None:
+        """Mark ``scale`` fitted to the fp8 format's range (``fitted=False``: leave it)."""
+        if fitted:
+            self.fitted[id(scale)] = scale
+
+    def is_fitted(self, scale: Any) -> bool:
+        got = self.fitted.get(id(scale))
+        return got is not None and got is scale
+
+    def unfitted(self, scale: Any) -> Any:
+        """``scale`` (the same value, another object) no longer fitted to the fp8 format: what a
+        normalization's backward sends may exceed what the decisions behind it modelled, so the
+        next cast reads its tensor's max (current scaling); those decisions still hear it."""
+        out = scale * jnp.ones((), _F32)
+        self.decided(out, self.decided_by(scale))
+        return out
+
+
 def _settled(x: Any, inverses: dict[int, tuple[Any, Any]] | None = None) -> Any:
     """``x`` (non-negative fp32 scalars: scales), unchanged, as the result of a reduction
     (``max(v, v/2)``), which XLA never fuses into its consumers. Without this, every decision's

@@ -67,7 +67,7 @@ def layer(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
 
     s_model, sigma = statistical(sw, node.name, fresh)
     # the caps use current statistics on every call
-    behind = sorted(sw.decided_by(incoming))
+    behind = sorted(sw.book.decided_by(incoming))
     counts = (gs.nonzero, gs.below) if cfg.underflow_feedback else None
     dec = decisions.layer_of_stats(cfg, node.fan_in, jnp, gs.size, g_ext, w_ext, None, incoming,
                                    sw.backoff, None, s_model, sigma, counts,
@@ -75,9 +75,9 @@ def layer(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     if dec.fraction is not None:
         sw.feedback.hear(behind, dec.fraction)
     checked(sw, node.name, dec.absmax)
-    scale, outgoing = sw.settle((dec.d.scale, dec.outgoing))
+    scale, outgoing = sw.book.settle((dec.d.scale, dec.outgoing))
     d = dec.d._replace(scale=scale)
-    sw.decided(outgoing, frozenset({node.name}))
+    sw.book.decided(outgoing, frozenset({node.name}))
     sw.feedback.decided(node.name, dec.limited)
     act_ct = input_grad(sw, node, g, d.scale)
     sw.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
@@ -113,9 +113,9 @@ def fit_current(sw: Sweep, g: Any, incoming: Any) -> tuple[Any, Any]:
     (:func:`adaloss.solver.fp8_fit_scale`): ``g`` rescaled and the scale it then carries."""
     fit = solver.fp8_fit_scale(sw.config, _absmax(g), incoming, jnp,
                                sw.backoff)
-    r = sw.settle(fit.scale)
-    g, incoming = _rescale(g, r), sw.settle(incoming * r)
-    sw.fit(incoming)
+    r = sw.book.settle(fit.scale)
+    g, incoming = _rescale(g, r), sw.book.settle(incoming * r)
+    sw.book.fit(incoming)
     return g, incoming
 
 def quantize(sw: Sweep, g: Any, behind: frozenset[str]) -> tuple[Any, Any, Any, Any]:
@@ -155,10 +155,10 @@ def layer_fp8(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     ``incoming``) quantized once, saturating (:func:`quantize`); both GEMMs read it; the
     decision (:func:`adaloss.solver.fp8_layer_scale`) sets the scale of the output it sends on."""
     cfg = sw.config
-    current = cfg.fp8_rule == "current" or not sw.is_fitted(incoming)
+    current = cfg.fp8_rule == "current" or not sw.book.is_fitted(incoming)
     if current:  # no decision fitted this scale to the format
         g, incoming = fit_current(sw, g, incoming)
-    behind = sw.decided_by(incoming)
+    behind = sw.book.decided_by(incoming)
     q, gq, q_ext, fractions = quantize(sw, g, behind)
     if node.wgt >= 0:
         sw.cts[node.ins[node.diff[node.wgt]]].append((weight_grad(sw, node, gq, q), incoming))
@@ -187,10 +187,10 @@ def layer_fp8(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     carrier_max = float(jnp.finfo(jnp.result_type(g)).max)
     dec = decisions.fp8_layer(cfg, node.fan_in, carrier_max, jnp, q_ext, ws, None, incoming, sw.backoff,
                               None, s_model, sigma, None, sw.feedback.flags(behind))
-    scale, outgoing = sw.settle((dec.d.scale, dec.outgoing))
+    scale, outgoing = sw.book.settle((dec.d.scale, dec.outgoing))
     d = dec.d._replace(scale=scale)
-    sw.decided(outgoing, frozenset({node.name}))
-    sw.fit(outgoing)
+    sw.book.decided(outgoing, frozenset({node.name}))
+    sw.book.fit(outgoing)
     sw.feedback.decided(node.name, dec.limited)
     act_ct = input_grad(sw, node, gq, d.scale, q)
     sw.cts[node.ins[node.diff[node.act]]].append((act_ct, outgoing))
@@ -233,11 +233,11 @@ def cast(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     if cfg.fp8:  # it reads its tensor anyway: per-tensor current scaling, no entry saturates
         m = jnp.max(jnp.abs(g)).astype(_F32)
         d = solver.fp8_fit_scale(cfg, m, incoming, jnp, sw.backoff)
-        scale, outgoing = sw.settle((d.scale, incoming * d.scale))
+        scale, outgoing = sw.book.settle((d.scale, incoming * d.scale))
         d = d._replace(scale=scale)
         (ct,) = node.vjp([_rescale(g, d.scale)])
         sw.cts[node.ins[0]].append((ct, outgoing))
-        sw.fit(outgoing)
+        sw.book.fit(outgoing)
         if sw.reporting:
             report(sw, node, d, None, incoming, outgoing, m)
         return
@@ -250,7 +250,7 @@ def cast(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     s_model, ls = statistical(sw, node.name, fresh)
     ls = ls._replace(absmax=st.absmax)  # the cap: current max|g|
     dec = decisions.cast_of_logs(cfg, jnp, ls, incoming, sw.backoff, s_model)
-    scale, outgoing = sw.settle((dec.d.scale, dec.outgoing))
+    scale, outgoing = sw.book.settle((dec.d.scale, dec.outgoing))
     d = dec.d._replace(scale=scale)
     (ct,) = node.vjp([_rescale(g, d.scale)])
     sw.cts[node.ins[0]].append((ct, outgoing))

@@ -42,7 +42,7 @@ def scan(sw: Sweep, node: Node, got: list[tuple[Any, Any] | None]) -> None:
     out_vals = [sw.tape.values[s] for s in node.outs]
     wanted = [j for j, s in enumerate(node.outs) if sw.tape.needs[s]]
     seeds = {j: got[j] if got[j] is not None else (jnp.zeros_like(out_vals[j]), one) for j in wanted}
-    fitted = {j: got[j] is not None and sw.is_fitted(got[j][1]) for j in wanted}
+    fitted = {j: got[j] is not None and sw.book.is_fitted(got[j][1]) for j in wanted}
     carry_js = [j for j in wanted if j < nk]
     ys_js = [j for j in wanted if j >= nk]
     consts = [i for i in range(nc) if r.needs[i]]
@@ -127,11 +127,11 @@ def one_scale(sw: Sweep, ct: Any, scales: Any) -> tuple[Any, Any]:
     n = scales.shape[0]
     absmax = jnp.max(jnp.abs(ct.astype(_F32)).reshape(n, -1), axis=1)
     if sw.config.fp8:
-        target = sw.settle(solver.fp8_merge_scale(sw.config, [scales[k] for k in range(n)],
+        target = sw.book.settle(solver.fp8_merge_scale(sw.config, [scales[k] for k in range(n)],
                                                      [absmax[k] for k in range(n)], jnp, sw.backoff,
                                                      summed=False))
     else:
-        target = sw.settle(solver.merge_scale([scales[k] for k in range(n)],
+        target = sw.book.settle(solver.merge_scale([scales[k] for k in range(n)],
                                                  [absmax[k] for k in range(n)],
                                                  sw.u_max(jnp.result_type(ct)), jnp))
     factor = (target / scales).reshape((n,) + (1,) * (np.ndim(ct) - 1))

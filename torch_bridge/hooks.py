@@ -189,6 +189,34 @@ def u_max(config: AdaLossConfig, dtype: torch.dtype) -> float:
     return decisions.overflow_limit(config, dtype.itemsize, torch.finfo(dtype).max)
 
 
+class PassState:
+    """What one backward pass has met and decided so far; :class:`ScaledBackward` starts a fresh
+    one as each pass begins. Scales are values of the pass's scalar namespace, indexed by the
+    plan's scale symbols."""
+
+    def __init__(self, n_syms: int) -> None:
+        self.values: list[Any] = [None] * n_syms  # scale symbol -> the scale it stands for
+        self.shapes: list[Any] = []  # the cotangents' shapes at the decisions (BackwardRecord.shapes)
+        self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}  # (node, output)
+        self.carried: set[tuple[int, int]] = set()
+        self.decisions: dict[str, Decision] = {}
+        # per decision, its statistical scale and spread (update_every)
+        self.model_scales: dict[str, Any] = {}
+        self.spreads: dict[str, Any] = {}
+        self.captured: dict[str, torch.Tensor] = {}
+        self.captured_scales: dict[str, Any] = {}
+        self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.leaf_tensors: dict[int, tuple[Any, torch.Tensor]] = {}  # id(value) -> (value, tensor)
+        self.regions: list[Any] = []  # outgoing scales of the opaque regions being run
+        # scale symbol -> the layer decisions that set it (merges: those of their parts)
+        self.deciders: dict[int, frozenset[str]] = {}
+        # what each layer decision heard (values of the scalar namespace)
+        self.feedback = Feedback()
+        self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
+        # node index -> its weight's statistics and size (layers.weight_stats), for this backward
+        self.weights: dict[int, tuple[decisions.Sums, int]] | None = None
+
+
 class ScaledBackward:
     """Hooks on every node of one planned graph; state of the pass in progress.
 
@@ -284,55 +312,37 @@ class ScaledBackward:
 
     def hidden_grad(self, k: int, grad: torch.Tensor) -> torch.Tensor | None:
         """A hidden parameter's gradient, reached inside the innermost running region."""
-        if not self.active or not self.regions:
+        if not self.active or not self.now.regions:
             return None
         param = self.hidden[k]
-        prior = self.leaf_scales.get(id(param))
-        grad, carried = self.on_leaf(param, grad, self._leaf_scale(self.regions[-1]),
+        prior = self.now.leaf_scales.get(id(param))
+        grad, carried = self.on_leaf(param, grad, self._leaf_scale(self.now.regions[-1]),
                                      None if prior is None else prior[1])
-        self.leaf_scales[id(param)] = (param, carried)
+        self.now.leaf_scales[id(param)] = (param, carried)
         return grad
 
     def _reset(self) -> None:
-        self.values: list[torch.Tensor | None] = [None] * self.plan.n_syms
-        self.shapes: list[Any] = []  # the cotangents' shapes at the decisions (BackwardRecord.shapes)
-        self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}  # (node, output)
-        self.carried: set[tuple[int, int]] = set()
-        self.decisions: dict[str, Decision] = {}
-        self.model_scales: dict[str, torch.Tensor] = {}
-        self.new_spreads: dict[str, Any] = {}
-        self.captured: dict[str, torch.Tensor] = {}
-        self.captured_scales: dict[str, Any] = {}
-        self.leaf_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._leaf_tensors: dict[int, tuple[Any, torch.Tensor]] = {}  # id(value) -> (value, tensor)
-        self.regions: list[Any] = []  # outgoing scales of the opaque regions being run
-        # scale symbol -> the layer decisions that set it (merges: those of their parts)
-        self.deciders: dict[int, frozenset[str]] = {}
-        # what each layer decision heard (values of the scalar namespace)
-        self.feedback = Feedback()
-        self.fitted: set[int] = set()  # fp8: scale symbols a decision fitted to the format's range
-        # node index -> its weight's statistics and size (_weight_stats), for this backward
-        self.weights: dict[int, tuple[decisions.Sums, int]] | None = None
+        self.now = PassState(self.plan.n_syms)
 
     def record(self) -> BackwardRecord:
         """What the pass decided, without references to the graph."""
         order = {p.name: p.rank for p in self.plan.layers()}
-        names = sorted(self.decisions, key=lambda n: order.get(n, 0))
+        names = sorted(self.now.decisions, key=lambda n: order.get(n, 0))
         conv = self.sm.to_torch
-        model_scales, spreads = _to_torch_all((self.model_scales, self.new_spreads), self.sm)
-        return BackwardRecord(self.config, {n: self.decisions[n] for n in names},
-                              dict(self.leaf_scales), dict(self.captured),
-                              {k: conv(v) for k, v in self.captured_scales.items()},
+        model_scales, spreads = _to_torch_all((self.now.model_scales, self.now.spreads), self.sm)
+        return BackwardRecord(self.config, {n: self.now.decisions[n] for n in names},
+                              dict(self.now.leaf_scales), dict(self.now.captured),
+                              {k: conv(v) for k, v in self.now.captured_scales.items()},
                               model_scales, spreads, self.sm, self._underflow_signals(), self.loss,
-                              self.global_reason, tuple(self.shapes))
+                              self.global_reason, tuple(self.now.shapes))
 
     def _underflow_signals(self) -> dict[str, torch.Tensor]:
         """Per weight, :func:`adaloss.solver.underflow_ratio` of its decisions (fp32 0-d tensors)."""
-        weights, fractions, limited, _ = self.feedback.signal_arguments(weight_of)
+        weights, fractions, limited, _ = self.now.feedback.signal_arguments(weight_of)
         if not weights:
             return {}
         ratios = self.compute(decisions.signals, (self.config, weights), fractions, limited)
-        return dict(zip(self.feedback.weights(weight_of), map(self.sm.to_torch, ratios)))
+        return dict(zip(self.now.feedback.weights(weight_of), map(self.sm.to_torch, ratios)))
 
     # -- hooks --------------------------------------------------------------------
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -346,19 +356,19 @@ class ScaledBackward:
             return self._global(i, p, go)
         self._merge_outputs(p, go)
         if p.kind not in NO_DECISION:
-            self.shapes.append(None if go[0] is None else go[0].shape)
+            self.now.shapes.append(None if go[0] is None else go[0].shape)
             if self.capture and go[0] is not None:
-                self.captured[p.name] = go[0]
-                self.captured_scales[p.name] = self.values[p.sym]
+                self.now.captured[p.name] = go[0]
+                self.now.captured_scales[p.name] = self.now.values[p.sym]
         rule = self.rules.get(p.kind)
         if rule is not None:
             rule[self.config.fp8](self, p, go)
         elif p.kind != "op":  # a reference backward: every node passes the scale on
-            self.values[p.send] = self.values[p.sym]
-        elif p.leaf and go[0] is not None and self.values[p.sym] is not None:
+            self.now.values[p.send] = self.now.values[p.sym]
+        elif p.leaf and go[0] is not None and self.now.values[p.sym] is not None:
             param = self.plan.params[i]
-            go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.values[p.sym]), None)
-            self.leaf_scales[id(param)] = (param, carried)
+            go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.now.values[p.sym]), None)
+            self.now.leaf_scales[id(param)] = (param, carried)
         return tuple(go)
 
     def _global(self, i: int, p: NodePlan, go: list[Any]) -> tuple[Any, ...]:
@@ -366,26 +376,26 @@ class ScaledBackward:
         already has a ``.grad`` brings both to one scale; everything else passes."""
         if p.leaf and go[0] is not None:
             param = self.plan.params[i]
-            go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.values[0]), None)
-            self.leaf_scales[id(param)] = (param, carried)
+            go[0], carried = self.on_leaf(param, go[0], self._leaf_scale(self.now.values[0]), None)
+            self.now.leaf_scales[id(param)] = (param, carried)
         return tuple(go)
 
     def post(self, i: int, grad_inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not self.active or self.global_reason is not None:  # (autograd sums the branches)
             return None
         p = self.plan.order[i]
-        if p.kind == "region" and self.regions:
-            self.regions.pop()
+        if p.kind == "region" and self.now.regions:
+            self.now.regions.pop()
         gi = list(grad_inputs)
         for j, key in p.stash_edges.items():
             t = gi[j]
             if t is None:
                 continue
-            self.stash.setdefault(key, []).append((t, p.edge_syms[j]))
-            if key in self.carried:
+            self.now.stash.setdefault(key, []).append((t, p.edge_syms[j]))
+            if key in self.now.carried:
                 gi[j] = None
             else:
-                self.carried.add(key)
+                self.now.carried.add(key)
         return tuple(gi)
 
     def _begin(self, go: list[Any]) -> None:
@@ -400,7 +410,7 @@ class ScaledBackward:
         init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
         if self.global_reason is not None and self.backoff is not None:  # the scaler's get_scale()
             init = init * self.backoff.to(g.device)
-        self.values[0] = self.sm.to_xp(init)
+        self.now.values[0] = self.sm.to_xp(init)
         if self.config.init_scale != 1.0 or self.global_reason is not None:
             go[0] = rescale(g, init)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -413,18 +423,18 @@ class ScaledBackward:
             param = self.plan.params[i]
             if self.global_reason == "autograd.grad":
                 break  # the gradients were returned, no .grad written
-            value = self.values[0] if self.global_reason is not None else self.values[p.sym]
-            if p.leaf and id(param) not in self.leaf_scales and value is not None:
-                self.leaf_scales[id(param)] = (param, self._leaf_scale(value))
+            value = self.now.values[0] if self.global_reason is not None else self.now.values[p.sym]
+            if p.leaf and id(param) not in self.now.leaf_scales and value is not None:
+                self.now.leaf_scales[id(param)] = (param, self._leaf_scale(value))
         self.on_done(self.record())
 
     def _leaf_scale(self, value: Any) -> torch.Tensor:
         """``value`` (a scale of the scalar namespace) as the 0-d tensor a gradient carries, one
         tensor per value: the parameters that carry one scale (a layer's weight and bias) share
         it, and the scaler unscales them in one call."""
-        hit = self._leaf_tensors.get(id(value))
+        hit = self.now.leaf_tensors.get(id(value))
         if hit is None:
-            hit = self._leaf_tensors[id(value)] = (value, self.sm.to_torch(value))
+            hit = self.now.leaf_tensors[id(value)] = (value, self.sm.to_torch(value))
         return hit[1]
 
     def to_scalars(self, t: solver.TensorStats | solver.LogStats) -> Any:
@@ -458,27 +468,27 @@ class ScaledBackward:
 
     def _merged(self, sym: int, parts: list[int]) -> None:
         """A merged scale was set by the decisions behind its parts."""
-        self.deciders[sym] = frozenset().union(*(self.deciders.get(s, frozenset()) for s in parts))
+        self.now.deciders[sym] = frozenset().union(*(self.now.deciders.get(s, frozenset()) for s in parts))
 
     def _merge_outputs(self, p: NodePlan, go: list[Any]) -> None:
         for k, msym in p.merges.items():
-            stashed = self.stash.pop((p.index, k), [])
-            parts = [(t, self.values[s]) for t, s in stashed]
+            stashed = self.now.stash.pop((p.index, k), [])
+            parts = [(t, self.now.values[s]) for t, s in stashed]
             if not parts:
                 continue
-            go[k], self.values[msym] = self._merge(parts, p.out_dtypes[k], f"merge {p.index}:{k}",
+            go[k], self.now.values[msym] = self._merge(parts, p.out_dtypes[k], f"merge {p.index}:{k}",
                                                    summed=True)
             self._merged(msym, [s for _, s in stashed])
-            self.fitted.add(msym)
+            self.now.fitted.add(msym)
         if p.cross_merge:
             present = [k for k in p.out_syms if go[k] is not None]
             if not present:
                 return
-            rescaled, self.values[p.sym] = self._merge(
-                [(go[k], self.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]],
+            rescaled, self.now.values[p.sym] = self._merge(
+                [(go[k], self.now.values[p.out_syms[k]]) for k in present], p.out_dtypes[present[0]],
                 f"merge {p.index}")
             self._merged(p.sym, [p.out_syms[k] for k in present])
-            self.fitted.add(p.sym)
+            self.now.fitted.add(p.sym)
             for k, t in zip(present, rescaled):
                 go[k] = t
 

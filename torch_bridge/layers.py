@@ -94,14 +94,14 @@ def layer(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     """The layer's scale decided from its cotangent's and weight's statistics
     (:func:`adaloss.decisions.layer`); the node gets ``s·g``, so both its gradients carry
     ``incoming·s``."""
-    g, incoming = go[0], bw.values[p.sym]
+    g, incoming = go[0], bw.now.values[p.sym]
     if g is None or incoming is None:
-        bw.values[p.send] = incoming
+        bw.now.values[p.send] = incoming
         return
     cfg = bw.config
     cached = cached_statistics(bw, p.name)
-    behind = sorted(bw.deciders.get(p.sym, frozenset()))
-    limited = bw.feedback.flags(behind)
+    behind = sorted(bw.now.deciders.get(p.sym, frozenset()))
+    limited = bw.now.feedback.flags(behind)
     lift = lift_of(bw, p.name, g)
     operand = wgrad_operand(bw, p, g)
     got = None
@@ -119,12 +119,12 @@ def layer(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
         go[0], dec = got
     d = dec.d
     if dec.fraction is not None:
-        bw.feedback.hear(behind, dec.fraction)
-    bw.deciders[p.send] = frozenset({p.name})
-    bw.feedback.decided(p.name, dec.limited)
-    bw.model_scales[p.name], bw.new_spreads[p.name] = d.model_scale, d.sigma
-    bw.values[p.send] = dec.outgoing
-    bw.decisions[p.name] = Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
+        bw.now.feedback.hear(behind, dec.fraction)
+    bw.now.deciders[p.send] = frozenset({p.name})
+    bw.now.feedback.decided(p.name, dec.limited)
+    bw.now.model_scales[p.name], bw.now.spreads[p.name] = d.model_scale, d.sigma
+    bw.now.values[p.send] = dec.outgoing
+    bw.now.decisions[p.name] = Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
                                        False if dec.held is None else dec.held)
 
 
@@ -159,9 +159,9 @@ def cast(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     """The cotangent narrowed at a scale decided from its log-statistics
     (:func:`adaloss.decisions.cast`); an opaque region's at least its dynamic scale."""
     present = [k for k in range(len(go)) if go[k] is not None]
-    incoming = bw.values[p.sym]
+    incoming = bw.now.values[p.sym]
     if not present or incoming is None:
-        bw.values[p.send] = incoming
+        bw.now.values[p.send] = incoming
         return
     cfg, sx = bw.config, bw.sm.xp
     g = go[present[0]]
@@ -170,11 +170,11 @@ def cast(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
         m = bw.sm.to_xp(g.abs().amax().to(_F32))
         d = solver.fp8_fit_scale(cfg, m, incoming, sx, bw.bo)
         outgoing = incoming * d.scale
-        bw.values[p.send] = outgoing
-        bw.fitted.add(p.send)
+        bw.now.values[p.send] = outgoing
+        bw.now.fitted.add(p.send)
         for k in present:
             go[k] = bw.rescale(go[k], d.scale)
-        bw.decisions[p.name] = Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
+        bw.now.decisions[p.name] = Decision("cast", d, d.sigma, incoming, outgoing, m, 1)
         return
     region = bw.region_scale(p.name, g.device) if p.kind == "region" else None
     cached_scale = None if cached is None or region is not None else cached[0]
@@ -196,18 +196,18 @@ def cast(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
         for k, t in zip(present, out):
             go[k] = t
     d, ls, outgoing = dec
-    bw.model_scales[p.name], bw.new_spreads[p.name] = d.model_scale, ls
-    bw.values[p.send] = outgoing
-    bw.decisions[p.name] = Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)
+    bw.now.model_scales[p.name], bw.now.spreads[p.name] = d.model_scale, ls
+    bw.now.values[p.send] = outgoing
+    bw.now.decisions[p.name] = Decision("cast", d, ls, incoming, outgoing, ls.absmax, 1)
     if p.kind == "region":  # parameters used inside carry ``outgoing`` (see _hidden_hook)
-        bw.regions.append(outgoing)
+        bw.now.regions.append(outgoing)
 
 
 def norm(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     """A normalization's backward: the same scale, not fitted (fp8: the next cast reads its
     tensor's max)."""
-    bw.values[p.send] = bw.values[p.sym]
-    bw.deciders[p.send] = bw.deciders.get(p.sym, frozenset())
+    bw.now.values[p.send] = bw.now.values[p.sym]
+    bw.now.deciders[p.send] = bw.now.deciders.get(p.sym, frozenset())
 
 
 def factor(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
@@ -215,9 +215,9 @@ def factor(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     ``1/|c|`` (:func:`adaloss.solver.amplified_scale`), and before a weight broadcast over it
     gets its gradient summed in 16 bits (:func:`reduction_cap`): the cotangent and its
     scale lowered by the power of two that keeps both finite."""
-    g, incoming = go[0], bw.values[p.sym]
+    g, incoming = go[0], bw.now.values[p.sym]
     if g is None or incoming is None:
-        bw.values[p.send] = incoming
+        bw.now.values[p.send] = incoming
         return
     sx, r = bw.sm.xp, None
     node = bw.plan.nodes[p.index]
@@ -236,7 +236,7 @@ def factor(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
         r2 = solver.at_most(cap, sx)
         r = r2 if r is None else sx.minimum(r, r2)
     if r is None:
-        bw.values[p.send] = incoming
+        bw.now.values[p.send] = incoming
         return
     lowered(bw, p, go, r)
 
@@ -264,20 +264,20 @@ def input_layer(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     """A first layer (its input needs no gradient: no decision) computes its weight and bias
     gradients in 16 bits from the cotangent it receives: lowered by the power of two that
     keeps them finite (:func:`adaloss.solver.weight_grad_cap`)."""
-    g, incoming = go[0], bw.values[p.sym]
+    g, incoming = go[0], bw.now.values[p.sym]
     cap = None if g is None or incoming is None else weight_grad_cap(bw, p, g)
     if cap is None:
-        bw.values[p.send] = incoming
+        bw.now.values[p.send] = incoming
         return
     lowered(bw, p, go, solver.at_most(cap, bw.sm.xp))
 
 
 def lowered(bw: ScaledBackward, p: NodePlan, go: list[Any], r: Any) -> None:
     """The node's cotangent and the scale it passes on, times ``r`` (a power of two ≤ 1)."""
-    bw.values[p.send] = bw.values[p.sym] * r
-    bw.deciders[p.send] = bw.deciders.get(p.sym, frozenset())
-    if p.sym in bw.fitted:
-        bw.fitted.add(p.send)
+    bw.now.values[p.send] = bw.now.values[p.sym] * r
+    bw.now.deciders[p.send] = bw.now.deciders.get(p.sym, frozenset())
+    if p.sym in bw.now.fitted:
+        bw.now.fitted.add(p.send)
     go[0] = bw.rescale(go[0], r)
 
 
@@ -287,16 +287,16 @@ def layer_fp8(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     decision's scale (:func:`adaloss.solver.fp8_layer_scale`): both its GEMMs read the fp8
     values. Where no decision fitted ``P`` to the format (the first cast after the loss),
     or with ``fp8_rule="current"``, it is fitted to the tensor's own ``max|g|`` first."""
-    g, incoming = go[0], bw.values[p.sym]
+    g, incoming = go[0], bw.now.values[p.sym]
     if g is None or incoming is None:
-        bw.values[p.send] = incoming
+        bw.now.values[p.send] = incoming
         return
     cfg, sx = bw.config, bw.sm.xp
-    current = cfg.fp8_rule == "current" or p.sym not in bw.fitted
+    current = cfg.fp8_rule == "current" or p.sym not in bw.now.fitted
     if current:
         fit = solver.fp8_fit_scale(cfg, bw.sm.to_xp(g.abs().amax().to(_F32)), incoming, sx, bw.bo)
         g, incoming = bw.rescale(g, fit.scale), incoming * fit.scale
-    behind = bw.deciders.get(p.sym, frozenset())
+    behind = bw.now.deciders.get(p.sym, frozenset())
     q, gq, hist, fractions = quantize(bw, g, behind)
     q_absmax = hist.absmax
     wcap = weight_grad_cap(bw, p, gq)
@@ -322,24 +322,24 @@ def layer_fp8(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
         dec = decisions.fp8_layer(cfg, p.fan_in, torch.finfo(g.dtype).max, sx, gs, ws, wcap, incoming,
                                   bw.bo, lift_of(bw, p.name, g), s_model, sigma, row_sq, ())
         d = dec.d
-        bw.model_scales[p.name], bw.new_spreads[p.name] = d.model_scale, d.sigma
-        bw.deciders[p.send] = frozenset({p.name})
-        bw.feedback.decided(p.name, dec.limited)
+        bw.now.model_scales[p.name], bw.now.spreads[p.name] = d.model_scale, d.sigma
+        bw.now.deciders[p.send] = frozenset({p.name})
+        bw.now.feedback.decided(p.name, dec.limited)
         kind = "layer"
     if kind == "first":
-        bw.deciders[p.send] = behind
-    held = bw.feedback.held(behind)
+        bw.now.deciders[p.send] = behind
+    held = bw.now.feedback.held(behind)
     held = False if held is None else held
     outgoing = incoming * d.scale
-    bw.values[p.send] = outgoing
-    bw.fitted.add(p.send)
+    bw.now.values[p.send] = outgoing
+    bw.now.fitted.add(p.send)
     node = bw.plan.nodes[p.index]
     if node.name() == FP8_NODE:  # its GEMMs read q itself, times the scale; its bias
         setattr(node, FP8_COTANGENT, (q, bw.sm.to_torch(d.scale).to(g.device)))
         go[0] = g  # gradient sums the 16-bit cotangent
     else:
         go[0] = bw.rescale(gq, d.scale)
-    bw.decisions[p.name] = Decision(kind, d, d.sigma, incoming, outgoing, q_absmax,
+    bw.now.decisions[p.name] = Decision(kind, d, d.sigma, incoming, outgoing, q_absmax,
                                        p.fan_in, held, fractions, current)
 
 
@@ -361,7 +361,7 @@ def quantize(bw: ScaledBackward, g: torch.Tensor, behind: frozenset[str]
             from scipy.special import erfinv
         with np.errstate(divide="ignore", invalid="ignore"):  # NumPy warns where torch gives ±inf
             signal = solver.fp8_signal(cfg, *fractions, hist.absmax, erfinv, sm.xp)
-        bw.feedback.hear(behind, signal)
+        bw.now.feedback.hear(behind, signal)
     return q, gq, hist, fractions
 
 
@@ -414,7 +414,7 @@ def weight_grad_cap(bw: ScaledBackward, p: NodePlan, g: torch.Tensor) -> Any:
 def weight_stats(bw: ScaledBackward, p: NodePlan) -> tuple[decisions.Sums, int]:
     """The layer's weight's statistics (:func:`torch_bridge.stats.weight_stats`), batched for all the layers
     at the first one a backward reaches, and its size."""
-    if bw.weights is None:
+    if bw.now.weights is None:
         # every layer whose weight is saved in memory now (not packed by saved-tensor
         # hooks, nor freed until FSDP2 gathers it again for the layer's backward)
         layers, weights = [], []
@@ -424,8 +424,8 @@ def weight_stats(bw: ScaledBackward, p: NodePlan) -> tuple[decisions.Sums, int]:
                 layers.append(q)
                 weights.append(w)
         stats = weight_sums(bw, weights, "weights")
-        bw.weights = {q.index: (st, w.numel()) for q, st, w in zip(layers, stats, weights)}
-    got = bw.weights.get(p.index)
+        bw.now.weights = {q.index: (st, w.numel()) for q, st, w in zip(layers, stats, weights)}
+    got = bw.now.weights.get(p.index)
     if got is None:
         w = weight_operand(bw, p)
         got = weight_sums(bw, [w], p.name)[0], w.numel()
