@@ -98,10 +98,10 @@ def input_grad(sw: Sweep, node: Node, g: Any, scale: Any, q: Any = None) -> Any:
     prim, params, vals = node.eqn
     x = node.diff[node.act]
     if q is not None and node.fp8_operands is not None:  # an FP8 GEMM: q times the weight's fp8
-        (qw, sw), (qx, _) = node.fp8_operands[1 - x], node.fp8_operands[x]
+        (qw, w_scale), (qx, _) = node.fp8_operands[1 - x], node.fp8_operands[x]
         out = dot_operand_grad(q, qw, qx, params["dimension_numbers"], x, params.get("precision"),
                                gemm_out(dtype_of(vals[x]), sw.config.power_of_two))
-        return (out * (scale / sw).astype(out.dtype)).astype(dtype_of(vals[x]))
+        return (out * (scale / w_scale).astype(out.dtype)).astype(dtype_of(vals[x]))
     if prim.name != "dot_general" or not sw.config.power_of_two:
         return node.vjp([_rescale(g, scale)])[node.act]
     out = dot_operand_grad(_like(g, sw.tape.values[node.outs[0]]), vals[1 - x], vals[x],
