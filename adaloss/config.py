@@ -101,9 +101,11 @@ class AdaLossConfig:
         subnormal (the authors used 6.0e-8): it keeps values from becoming zero but leaves
         them with a few bits (see the README's departures).
       u_max: override of the format's largest finite value.
-      update_every: recompute the statistical part of each layer's scale every
-        N calls and reuse it in between; the overflow caps always use the
-        current call's statistics.
+      update_every: PyTorch (``AdaLossScaler``): recompute the statistical part of each
+        layer's scale every N calls and reuse it in between, which spares the op-by-op
+        decisions their statistics on the calls between; the overflow caps always use the
+        current call's statistics. ``jax_adaloss`` refuses N > 1: under ``jit`` the
+        statistics would run at every call anyway.
       relu_fraction: ``rho`` of the ``output`` model, the fraction of a layer's
         fan-in assumed non-zero.
       cast_rule: choose a scale (log-normal model) where backprop narrows a

@@ -127,7 +127,7 @@ def _merge_tree(tree: Any, positions: list[int], slots: list[_Slot], rests: list
 
 def call(core: Callable[..., Any], fun: Callable[..., Any], args: tuple[Any, ...],
          kwargs: dict[str, Any], pos: tuple[int, ...], weight_pos: tuple[int, ...] | None,
-         filters: dict[int, Any], has_aux: bool, cache: Any, backoff: Any = None
+         filters: dict[int, Any], has_aux: bool, backoff: Any = None
          ) -> tuple[Any, Any, list[Any], Any]:
     """Run ``core`` on ``fun`` with every Module of the arguments split into states; write
     the Modules' new non-differentiated state back. Returns ``core``'s results."""
@@ -158,7 +158,7 @@ def call(core: Callable[..., Any], fun: Callable[..., Any], args: tuple[Any, ...
 
     weights = weight_pos if weight_pos is not None else (tuple(module_args) or pos[:1])
     value, (aux, new_rests), grads_args, report = core(
-        pure, (*pure_args, [s.rest for s in slots]), pure_kwargs, pos, weights, cache, True, backoff)
+        pure, (*pure_args, [s.rest for s in slots]), pure_kwargs, pos, weights, True, backoff)
     for s, r in zip(slots, new_rests):
         nnx.update(s.module, r)
     return value, aux, grads_args[:n_args], report

@@ -16,7 +16,7 @@ from adaloss import solver
 from adaloss.config import AdaLossConfig
 from jax_adaloss import _nnx, reductions
 from jax_adaloss.backward import REFERENCES, Reference, scaled_backward
-from jax_adaloss.report import BackwardReport, ScaleCache
+from jax_adaloss.report import BackwardReport
 from jax_adaloss.scaled_grad import (
     NO_LAYER,
     ScaledGrad,
@@ -27,7 +27,7 @@ from jax_adaloss.scaled_grad import (
 )
 from jax_adaloss.weight_grads import is_float
 
-CACHE_KWARG = "adaloss_cache"
+CACHE_KWARG = "adaloss_cache"  # (refused: gone with update_every, see wrapped)
 STATE_KWARG = "adaloss_state"
 
 Argnums = Any  # int | nnx.DiffState | a sequence of them
@@ -94,9 +94,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool 
 
     With ``return_report=True`` the function returns ``((value, grads), report)``,
     a :class:`BackwardReport` with per-layer scales, statistics and coverage
-    counts. With ``config.update_every > 1`` pass the previous report's
-    ``cache`` as the keyword argument ``adaloss_cache=`` (it is not forwarded to
-    ``fun``). ``capture_cotangents=True`` (with ``return_report``) also puts each
+    counts. ``capture_cotangents=True (with ``return_report``) also puts each
     layer's incoming cotangent in ``report.cotangents``, for underflow measurements.
 
     Back-off: pass the optimizer state holding :func:`jax_adaloss.adaloss`'s state as the
@@ -134,14 +132,17 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool
     nums, filters = _nnx.parse_argnums(argnums, wrt)
     if capture_cotangents and not return_report:
         raise ValueError("capture_cotangents=True needs return_report=True (they are in the report)")
-    if config.update_every > 1 and not return_report:
-        raise ValueError("AdaLossConfig.update_every > 1 needs return_report=True, so that "
-                         "report.cache can be passed back as adaloss_cache=")
+    if config.update_every > 1:
+        raise ValueError(
+            f"AdaLossConfig.update_every={config.update_every}: jax_adaloss decides every scale at "
+            "every call. Reusing a statistical scale saves nothing under jit, where the statistics "
+            "would run anyway (a select, not a conditional XLA:GPU reads on the host); it is a PyTorch "
+            "setting (AdaLossScaler, decisions op by op). Use update_every=1.")
     single = isinstance(argnums, int) or _nnx.is_diff_state(argnums)
 
     def core(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             nums_pos: tuple[int, ...], weight_pos: tuple[int, ...], cache: ScaleCache | None,
-             aux_out: bool, backoff: Any = None) -> tuple[Any, Any, list[Any], BackwardReport]:
+             nums_pos: tuple[int, ...], weight_pos: tuple[int, ...], aux_out: bool,
+             backoff: Any = None) -> tuple[Any, Any, list[Any], BackwardReport]:
         with_path, treedef = jax.tree_util.tree_flatten_with_path((list(args), kwargs))
         flat = [leaf for _, leaf in with_path]
         dyn: list[int] = []
@@ -184,7 +185,7 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         backoff_f, lift_f = backoff if backoff is not None else (None, None)
         outs, cts, report, signals, inverses, traces = scaled_backward(
-            closed, dyn_vals, diff, origins, config, cache, capture_cotangents, reference,
+            closed, dyn_vals, diff, origins, config, capture_cotangents, reference,
             backoff_f, lift_f, report=return_report)
         no_layer = None  # a leaf that is no layer's weight: only whether the loss was finite
         aux = jax.tree_util.tree_unflatten(out_store["aux"], outs[1:])
@@ -218,7 +219,9 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        cache: ScaleCache | None = kwargs.pop(CACHE_KWARG, None)
+        if CACHE_KWARG in kwargs:
+            raise TypeError("adaloss_cache= is gone with AdaLossConfig.update_every in JAX (every "
+                            "scale is decided at every call): drop the argument.")
         told = STATE_KWARG in kwargs  # adaloss_state=None: training without back-off, said so
         backoff = _state_levels(kwargs.pop(STATE_KWARG, None))
         n = len(args)
@@ -230,10 +233,9 @@ def _value_and_grad(fun: Callable[..., Any], argnums: Argnums = 0, has_aux: bool
         wpos = _weight_nums(weights, pos, n)
         if _nnx.has_graph_nodes((args, kwargs)):
             value, aux, grads_args, report = _nnx.call(core, fun, args, kwargs, pos, wpos, filters,
-                                                       has_aux, cache, backoff)
+                                                       has_aux, backoff)
         else:
-            value, aux, grads_args, report = core(fun, args, kwargs, pos, wpos or pos[:1], cache, has_aux,
-                                                  backoff)
+            value, aux, grads_args, report = core(fun, args, kwargs, pos, wpos or pos[:1], has_aux, backoff)
         grads = grads_args[pos[0]] if single else tuple(grads_args[a] for a in pos)
         if not told:
             grads = mark_stateless(grads)
@@ -362,4 +364,4 @@ def _varying(a: jax.Array) -> frozenset[Any]:
     return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
 
 
-__all__ = ["value_and_grad", "grad", "BackwardReport", "ScaleCache"]
+__all__ = ["value_and_grad", "grad", "BackwardReport"]

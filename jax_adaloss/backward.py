@@ -66,7 +66,7 @@ from jax_adaloss.cotangents import (
 )
 from jax_adaloss.layers import SWEEP
 from jax_adaloss.regions import REGIONS
-from jax_adaloss.report import BackwardReport, LayerReport, ScaleCache
+from jax_adaloss.report import BackwardReport, LayerReport
 from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
 from jax_adaloss.scaled_grad import rescale as _rescale
 from jax_adaloss.trace import EXACT_MOVES, Node, Tape, chains
@@ -108,9 +108,9 @@ class _Sweep:
     chain's one fused kernel.
     """
 
-    def __init__(self, tape: Tape, config: AdaLossConfig, cache: ScaleCache | None,
-                 capture: bool = False, reference: Reference | None = None,
-                 backoff: Any = None, lift: Any = None, reporting: bool = True) -> None:
+    def __init__(self, tape: Tape, config: AdaLossConfig, capture: bool = False,
+                 reference: Reference | None = None, backoff: Any = None, lift: Any = None,
+                 reporting: bool = True) -> None:
         self.tape, self.config = tape, config
         # a reference backward (measurements) makes no decision: no rule for decision nodes
         adaptive = reference is None
@@ -131,15 +131,9 @@ class _Sweep:
         self.captured_scales: dict[str, Any] = {}
         self.cts: dict[int, list[tuple[Any, Any]]] = defaultdict(list)
         self.layers: dict[str, LayerReport] = {}
-        self.model_scales: dict[str, Any] = {}
-        self.spreads: dict[str, Any] = {}
-        self.cache = cache
         # id(cotangent) -> (cotangent, a 16-bit dtype): a wider cotangent all of whose entries are
         # values of that dtype (:meth:`exact_dtype`)
         self.exact: dict[int, tuple[Any, Any]] = {}
-        step = cache.step if cache is not None else jnp.zeros((), jnp.int32)
-        self.recompute = (step % config.update_every) == 0
-        self.step = step
         # chains of elementwise 16-bit math with a nonlinear op (_chains): their equations, and
         # the slots inside them (computed by one of them and used by one: a fan-out merges its
         # parts in 16 bits); none in a reference backward (measurements)
@@ -340,9 +334,7 @@ class _Sweep:
         return _materialized(dict(zip(self.feedback.weights(weight_of), values)))
 
     def report(self) -> BackwardReport:
-        cache = ScaleCache(self.step + 1, self.model_scales, self.spreads)
-        return BackwardReport(self.layers, cache, self.captured, self.captured_scales,
-                              self.tape.coverage())
+        return BackwardReport(self.layers, self.captured, self.captured_scales, self.tape.coverage())
 
 
 #: per decision node's kind, the sweep's rule with a 16-bit and with an fp8 ``grad_format``
@@ -401,10 +393,9 @@ def agree_across(cts: list[Any], scale: Any, axes: tuple[Any, ...], u_max: float
 
 
 def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Sequence[bool],
-                    origins: Sequence[str | None], config: AdaLossConfig,
-                    cache: ScaleCache | None, capture: bool = False, reference: Reference | None = None,
-                    backoff: Any = None, lift: dict[str, Any] | None = None,
-                    report: bool = True
+                    origins: Sequence[str | None], config: AdaLossConfig, capture: bool = False,
+                    reference: Reference | None = None, backoff: Any = None,
+                    lift: dict[str, Any] | None = None, report: bool = True
                     ) -> tuple[list[Any], list[tuple[Any, Any] | None], BackwardReport, dict[str, Any],
                                list[Any], dict[str, Any]]:
     """Run ``jaxpr`` forward and the scale-propagating backward from its first output.
@@ -434,7 +425,7 @@ def scaled_backward(jaxpr: jcore.ClosedJaxpr, flat_args: Sequence[Any], diff: Se
         names = sorted({o.split("/")[0] for o in origins if o is not None})
         tape.warn_coverage(f"weight leaves under {', '.join(names)}" if names else "no weight leaves")
     outs = [tape.values[s] for s in out_slots]
-    sweep = _Sweep(tape, config, cache, capture, reference, backoff=backoff, lift=lift, reporting=report)
+    sweep = _Sweep(tape, config, capture, reference, backoff=backoff, lift=lift, reporting=report)
     loss = outs[0]
     seed_scale = jnp.asarray(config.init_scale, _F32)
     seed = (jnp.ones_like(loss) * seed_scale).astype(jnp.result_type(loss))

@@ -34,20 +34,6 @@ if TYPE_CHECKING:
 _F32 = jnp.float32
 
 
-def statistical(sw: Sweep, name: str, fresh: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
-    """(statistical scale, its spread) of a decision: ``fresh()`` on recompute calls
-    (``update_every``), else the cached pair.
-
-    A select, not a ``lax.cond``: the statistics run on every call, but the step
-    has no conditional, whose predicate XLA:GPU may read on the host.
-    """
-    out = fresh()
-    if sw.cache is not None and sw.config.update_every > 1:
-        cached = (sw.cache.model_scales[name], sw.cache.spreads[name])
-        out = jax.tree.map(lambda f, c: jnp.where(sw.recompute, f, c), out, cached)
-    sw.model_scales[name], sw.spreads[name] = out
-    return out
-
 def layer(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     """The layer's scale decided from its cotangent's and weight's statistics
     (:func:`adaloss.decisions.layer_of_stats`); its input gets ``vjp_x(s·g)``, carrying
@@ -61,11 +47,8 @@ def layer(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     ws = None if weight is None else reductions.statistics(weight, sq_mean=True)
     g_ext, w_ext = gs.magnitude(), None if ws is None else ws.magnitude()
 
-    def fresh() -> tuple[Any, Any]:
-        sigma = solver.model_sigma(cfg, g_ext, w_ext, node.fan_in, jnp)
-        return solver.model_scale(cfg, sigma, jnp, sw.backoff, sw.lift_of(node.name)), sigma
-
-    s_model, sigma = statistical(sw, node.name, fresh)
+    sigma = solver.model_sigma(cfg, g_ext, w_ext, node.fan_in, jnp)
+    s_model = solver.model_scale(cfg, sigma, jnp, sw.backoff, sw.lift_of(node.name))
     # the caps use current statistics on every call
     behind = sorted(sw.book.decided_by(incoming))
     counts = (gs.nonzero, gs.below) if cfg.underflow_feedback else None
@@ -175,15 +158,14 @@ def layer_fp8(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
     modelled = cfg.fp8_rule != "current" and cfg.layer_rule
     ws = reductions.statistics(weight, sq_mean=modelled).magnitude()
 
-    def fresh() -> tuple[Any, Any]:
+    # "current": the next cast fits its own tensor; no layer_rule: one global scale, the loss
+    # cotangent's (the cast-only ablation); the caps still hold (decisions.fp8_layer)
+    s_model = sigma = None
+    if modelled:
         gs = q_ext if q_ext.sq_mean is not None else solver.magnitude_stats(gq, jnp)
         sigma = solver.output_sigma(gs, ws, node.fan_in, jnp,
                                     solver.worst_row_sq_mean(gq, node.feature_axes, jnp))
-        return solver.fp8_model_scale(cfg, sigma, jnp, sw.backoff, sw.lift_of(node.name)), sigma
-
-    # "current": the next cast fits its own tensor; no layer_rule: one global scale, the loss
-    # cotangent's (the cast-only ablation); the caps still hold (decisions.fp8_layer)
-    s_model, sigma = statistical(sw, node.name, fresh) if modelled else (None, None)
+        s_model = solver.fp8_model_scale(cfg, sigma, jnp, sw.backoff, sw.lift_of(node.name))
     carrier_max = float(jnp.finfo(jnp.result_type(g)).max)
     dec = decisions.fp8_layer(cfg, node.fan_in, carrier_max, jnp, q_ext, ws, None, incoming, sw.backoff,
                               None, s_model, sigma, None, sw.feedback.flags(behind))
@@ -244,11 +226,8 @@ def cast(sw: Sweep, node: Node, g: Any, incoming: Any) -> None:
 
     st = reductions.statistics(g, logs=True)
 
-    def fresh() -> tuple[Any, Any]:
-        return solver.cast_model_scale(cfg, st.logs, jnp, sw.backoff), st.logs
-
-    s_model, ls = statistical(sw, node.name, fresh)
-    ls = ls._replace(absmax=st.absmax)  # the cap: current max|g|
+    s_model = solver.cast_model_scale(cfg, st.logs, jnp, sw.backoff)
+    ls = st.logs._replace(absmax=st.absmax)  # the cap: current max|g|
     dec = decisions.cast_of_logs(cfg, jnp, ls, incoming, sw.backoff, s_model)
     scale, outgoing = sw.book.settle((dec.d.scale, dec.outgoing))
     d = dec.d._replace(scale=scale)

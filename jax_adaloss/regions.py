@@ -34,9 +34,6 @@ def scan(sw: Sweep, node: Node, got: list[tuple[Any, Any] | None]) -> None:
     if sw.capture:
         raise ValueError("capture_cotangents=True is not supported with layers inside a scan; "
                          "unroll the scan (e.g. nn.scan -> a Python loop) to measure them")
-    if sw.cache is not None and sw.config.update_every > 1:
-        raise NotImplementedError("AdaLossConfig.update_every > 1 is not supported with layers "
-                                  "inside a scan; use update_every=1")
     nc, nk = r.num_consts, r.num_carry
     one = jnp.ones((), _F32)
     out_vals = [sw.tape.values[s] for s in node.outs]
@@ -55,7 +52,7 @@ def scan(sw: Sweep, node: Node, got: list[tuple[Any, Any] | None]) -> None:
         sub = Tape(sw.config, regions=True, remat=False)  # the body is re-run already
         slots = body_slots(sub, r, c_i, x_i)
         ins, outs = slots[:len(r.inputs)], slots[len(r.inputs):]
-        sweep = type(sw)(sub, sw.config, None, backoff=sw.backoff, lift=sw.lift,
+        sweep = type(sw)(sub, sw.config, backoff=sw.backoff, lift=sw.lift,
                        reporting=sw.reporting)
         sweep.run([(outs[j], ct, s) for j, ct, s in zip(carry_js, cts, scales)]
                   + [(outs[j], ct, seeds[j][1]) for j, ct in zip(ys_js, y_cts)],

@@ -1,26 +1,14 @@
-"""What a scale-propagating backward decided, for logging and for ``update_every``."""
+"""What a scale-propagating backward decided, for logging."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 
 from adaloss.report import Coverage, LayerReport
 
-__all__ = ["BackwardReport", "Coverage", "LayerReport", "ScaleCache"]
-
-
-class ScaleCache(NamedTuple):
-    """Per-layer statistical scales kept between calls for ``update_every > 1``.
-
-    Pass the ``cache`` of the previous call's report as ``adaloss_cache=``.
-    """
-
-    step: jax.Array  # int32: calls made so far
-    model_scales: dict[str, jax.Array]
-    # the spread behind each model scale: σ (layers) or the log-normal LogStats (casts)
-    spreads: dict[str, Any]
+__all__ = ["BackwardReport", "Coverage", "LayerReport"]
 
 
 class BackwardReport(NamedTuple):
@@ -36,7 +24,6 @@ class BackwardReport(NamedTuple):
     """
 
     layers: dict[str, LayerReport]
-    cache: ScaleCache
     cotangents: dict[str, jax.Array]
     cotangent_scales: dict[str, jax.Array]
     coverage: Coverage

@@ -20,7 +20,6 @@ import optax
 import pytest
 
 import jax_adaloss
-from adaloss.config import AdaLossConfig
 from adaloss.report import AdaLossCoverageWarning
 from jax_adaloss.scaled_grad import unscale_tree
 
@@ -210,7 +209,3 @@ def test_scan_rejects_what_it_cannot_do_yet() -> None:
 
     with pytest.raises(ValueError, match="capture_cotangents"):
         jax_adaloss.value_and_grad(loss, return_report=True, capture_cotangents=True)(ps)
-    cfg = AdaLossConfig(update_every=2)
-    _, report = jax_adaloss.value_and_grad(loss, return_report=True, config=AdaLossConfig())(ps)
-    with pytest.raises(NotImplementedError, match="update_every"):
-        jax_adaloss.value_and_grad(loss, return_report=True, config=cfg)(ps, adaloss_cache=report.cache)

@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--u-min", type=float, default=None, help="AdaLossConfig.u_min override")
     ap.add_argument("--accum-bound", type=float, default=None, help="AdaLossConfig.accum_bound")
     ap.add_argument("--layer-bound", type=float, default=None, help="AdaLossConfig.layer_bound")
-    ap.add_argument("--update-every", type=int, default=None, help="AdaLossConfig.update_every")
+    ap.add_argument("--update-every", type=int, default=None,
+                    help="AdaLossConfig.update_every (PyTorch: --framework torch; JAX refuses > 1)")
     ap.add_argument("--no-underflow-feedback", dest="underflow_feedback", action="store_const", const=False,
                     default=None, help="AdaLossConfig.underflow_feedback=False: the statistical model alone")
     ap.add_argument("--overhead", action="store_true",

@@ -257,17 +257,14 @@ _ONE = np.float32(1.0)
 
 def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, cfg: RunConfig, params: Any,
                   telemetry: bool) -> Any:
-    """The adaloss step; with ``update_every > 1`` the report's scale cache rides in the state."""
+    """The adaloss step."""
     tx = jax_adaloss.adaloss(inner=optax.adam(cfg.lr, eps=cfg.eps))
     vg = jax_adaloss.value_and_grad(loss, config=config, return_report=True)
-    cached = config.update_every > 1
 
     @jax.jit
-    def step(params: Any, state: Any, x: Any, y: Any, factor: Any) -> Any:
-        opt_state, cache = state if cached else (state, None)
-        kwargs = {"adaloss_cache": cache} if cache is not None else {}
-        kwargs["adaloss_state"] = opt_state  # the back-off after skipped steps
-        (value, grads), report = vg(params, x, y, factor, **kwargs)
+    def step(params: Any, opt_state: Any, x: Any, y: Any, factor: Any) -> Any:
+        # adaloss_state: the back-off after skipped steps
+        (value, grads), report = vg(params, x, y, factor, adaloss_state=opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
         scales = {}
         if telemetry:
@@ -276,9 +273,8 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, cfg: Ru
                 scales[f"{k}#held"] = r.incoming_held
                 if r.flushed is not None:
                     scales[f"{k}#flushed"], scales[f"{k}#saturated"] = r.flushed, r.saturated
-        state = (opt_state, report.cache) if cached else opt_state
-        return optax.apply_updates(params, updates), state, value / factor, scales, jnp.zeros((), bool)
-    return step, (tx.init(params), None) if cached else tx.init(params)
+        return optax.apply_updates(params, updates), opt_state, value / factor, scales, jnp.zeros((), bool)
+    return step, tx.init(params)
 
 
 def _delayed_step(loss: Callable[..., jax.Array], method: str, cfg: RunConfig, params: Any) -> Any:
