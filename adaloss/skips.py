@@ -28,6 +28,7 @@ only for skipped steps; the diagnosis and the message are written here once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,11 @@ from typing import NamedTuple
 
 #: Skipped steps in a row after which a front warns (once per run of skipped steps).
 WARN_AFTER = 3
+#: A front also warns when more than :data:`RATE_WARN` of the last :data:`RATE_WINDOW` steps were
+#: skipped (:class:`SkipRate`): skips that never come :data:`WARN_AFTER` in a row (a forward that
+#: overflows on one batch in three) would otherwise go unsaid.
+RATE_WINDOW = 100
+RATE_WARN = 0.2
 
 
 class SkippedStepsWarning(RuntimeWarning):
@@ -141,6 +147,32 @@ def diagnose(loss_finite: bool, layers: Sequence[LayerCheck], grads: Mapping[str
     if mixed_scales:
         return SkipDiagnosis(SkipCause.MIXED_SCALES)
     return SkipDiagnosis(SkipCause.UNKNOWN)
+
+
+class SkipRate:
+    """Which of the last :data:`RATE_WINDOW` steps were skipped. :meth:`note` says when to warn:
+    once the share exceeds :data:`RATE_WARN`, and again only after it has fallen to half of it."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[bool] = collections.deque(maxlen=RATE_WINDOW)
+        self.said = False
+
+    def note(self, skipped: bool) -> bool:
+        """Note a step; whether to warn now."""
+        self.recent.append(bool(skipped))
+        share = sum(self.recent) / RATE_WINDOW
+        if share <= RATE_WARN / 2:
+            self.said = False
+        if len(self.recent) == RATE_WINDOW and share > RATE_WARN and not self.said:
+            self.said = True
+            return True
+        return False
+
+    def text(self, diagnosis: SkipDiagnosis, skipped: int, steps: int) -> str:
+        """The warning, with the latest skipped step's ``diagnosis``."""
+        return (f"adaloss: {sum(self.recent)} of the last {RATE_WINDOW} optimizer steps were skipped "
+                f"({skipped} of {steps} so far), fewer than {WARN_AFTER} in a row, because a gradient "
+                f"is inf or NaN. Latest cause: {diagnosis.describe()}.")
 
 
 def warning_text(diagnosis: SkipDiagnosis, in_a_row: int, skipped: int, steps: int) -> str:

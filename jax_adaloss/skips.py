@@ -26,7 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adaloss.skips import WARN_AFTER, LayerCheck, SkipDiagnosis, SkippedStepsWarning, diagnose, warning_text
+from adaloss.skips import (
+    WARN_AFTER,
+    LayerCheck,
+    SkipDiagnosis,
+    SkippedStepsWarning,
+    SkipRate,
+    diagnose,
+    warning_text,
+)
 from jax_adaloss.api import _leaf_name
 from jax_adaloss.scaled_grad import NO_LAYER, decode_trace
 from jax_adaloss.transform import AdaLossState
@@ -91,7 +99,8 @@ def _counters(count: jax.Array, skipped: jax.Array, in_a_row: jax.Array) -> jax.
 
 
 class SkipMonitor:
-    """Warns once per run of ``after`` skipped updates in a row, with the cause
+    """Warns once per run of ``after`` skipped updates in a row, and when skips are frequent
+    though never that many in a row (:class:`adaloss.skips.SkipRate`), with the cause
     (:func:`skip_diagnosis`), without waiting for the device.
 
     Call it with the optimizer state after each step (any pytree holding the
@@ -111,6 +120,8 @@ class SkipMonitor:
         self.after = after
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._warned_run: int | None = None  # the update count at which the run warned about began
+        self._rate = SkipRate()  # skips too frequent, though never `after` in a row
+        self._skipped: int | None = None  # the skipped count of the step read last
         # the outer state's type -> the key path to its AdaLossState (None: not an object in it)
         self._where: dict[type, Any] = {}
 
@@ -149,8 +160,13 @@ class SkipMonitor:
         while self._in_flight and (wait or self._in_flight[0].is_ready()):
             count, skipped, in_a_row = (int(v) for v in np.asarray(self._in_flight.popleft()))
             started = count - in_a_row
+            frequent = self._rate.note(self._skipped is not None and skipped > self._skipped)
+            self._skipped = skipped
             if in_a_row >= self.after and started != self._warned_run:
                 self._warned_run = started
                 diagnosis = skip_diagnosis(opt_state)
                 warnings.warn(warning_text(diagnosis, in_a_row, skipped, count), SkippedStepsWarning,
                               stacklevel=3)
+            elif frequent:
+                warnings.warn(self._rate.text(skip_diagnosis(opt_state), skipped, count),
+                              SkippedStepsWarning, stacklevel=3)

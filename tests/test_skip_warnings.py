@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import jax_adaloss
-from adaloss.skips import LayerCheck, SkipCause, SkipDiagnosis, SkippedStepsWarning, diagnose
+from adaloss.skips import (
+    RATE_WINDOW,
+    LayerCheck,
+    SkipCause,
+    SkipDiagnosis,
+    SkippedStepsWarning,
+    SkipRate,
+    diagnose,
+)
 from torch_bridge import AdaLossScaler
 
 STEPS = 5
@@ -36,6 +44,16 @@ def test_diagnosis_names_the_first_non_finite_value_from_the_loss(loss_finite, l
     assert got.describe()  # every cause has its sentence
     if got.where is not None:
         assert repr(got.where) in got.describe()
+
+
+def test_skip_rate_says_frequent_skips_once_and_again_after_they_fell():
+    rate = SkipRate()
+    said = [i for i in range(3 * RATE_WINDOW) if rate.note(i % 3 == 0)]  # one in three
+    assert said == [RATE_WINDOW - 1]  # once the window is full, then not again
+    quiet = [i for i in range(RATE_WINDOW) if rate.note(False)]  # the share falls to 0
+    again = [i for i in range(RATE_WINDOW) if rate.note(i % 2 == 0)]
+    assert quiet == [] and len(again) == 1
+    assert "of the last 100 optimizer steps were skipped" in rate.text(SkipDiagnosis(SkipCause.LOSS), 7, 9)
 
 
 # -- PyTorch ---------------------------------------------------------------------------------
@@ -100,6 +118,29 @@ def test_torch_warns_once_with_the_cause(fault, cause, where, after):
     assert scaler.skip_causes == {cause.value: STEPS}
     assert scaler.last_skip.describe() in str(said[0].message)
     assert said[0].filename == __file__  # it points at the training loop
+
+
+def test_torch_frequent_skips_never_three_in_a_row_are_said():
+    """A forward that overflows on every third batch skips a third of the steps, never three in
+    a row: said once, with the cause, when the last 100 steps hold more than 20 skipped."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    scaler = AdaLossScaler(model, fuse_decisions=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(RATE_WINDOW):
+            x = torch.randn(16, 8) * (1e6 if i % 3 == 2 else 1.0)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), torch.zeros(16, 4))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    said = [str(w.message) for w in caught if issubclass(w.category, SkippedStepsWarning)]
+    assert scaler.skipped_steps == RATE_WINDOW // 3 and scaler.skip_causes == {"loss": RATE_WINDOW // 3}
+    assert len(said) == 1 and "33 of the last 100 optimizer steps were skipped" in said[0]
+    assert SkipDiagnosis(SkipCause.LOSS).describe() in said[0]
 
 
 def test_torch_isolated_skips_are_counted_not_warned():
@@ -182,6 +223,37 @@ def test_jax_monitor_warns_once_with_the_cause(fault, cause, where, after):
     assert int(optax.tree.get(opt_state, "skip_step")) == STEPS - 1
     _, quiet = _jax_run(fault, jax_adaloss.SkipMonitor(after=None))
     assert quiet == []
+
+
+def test_jax_monitor_says_frequent_skips_never_three_in_a_row():
+    params = _jax_params(False)
+
+    def loss_fn(p, x):
+        h = jax.nn.relu(x.astype(jnp.float16) @ p["inp"].astype(jnp.float16))
+        out = jax.nn.relu(h @ p["hidden"].astype(jnp.float16)) @ p["out"].astype(jnp.float16)
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    tx = jax_adaloss.adaloss(inner=optax.sgd(0.01))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads = jax_adaloss.value_and_grad(loss_fn)(params, x, adaloss_state=opt_state)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    monitor = jax_adaloss.SkipMonitor()
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(RATE_WINDOW):
+            params, opt_state = step(params, opt_state, x * (1e6 if i % 3 == 2 else 1.0))
+            monitor(opt_state)
+        monitor.flush(opt_state)
+    said = [str(w.message) for w in caught if issubclass(w.category, SkippedStepsWarning)]
+    assert int(optax.tree.get(opt_state, "skipped")) == RATE_WINDOW // 3
+    assert len(said) == 1 and "33 of the last 100 optimizer steps were skipped" in said[0]
+    assert SkipDiagnosis(SkipCause.LOSS).describe() in said[0]
 
 
 def test_jax_state_records_no_skip_on_clean_steps():

@@ -142,8 +142,9 @@ class AdaLossScaler:
       warn_after_skips: after this many skipped steps in a row (iterations whose gradients held
         an inf or NaN), warn once per such run with the cause (:mod:`adaloss.skips`:
         a non-finite loss, or the first layer whose backward made the inf/NaN, by name), read
-        from the device only on skipped steps; ``None``: never warn (:attr:`last_skip` and
-        :attr:`skip_causes` still count them).
+        from the device only on skipped steps; and once when more than a fifth of the last 100
+        steps skipped though never that many in a row (:class:`adaloss.skips.SkipRate`).
+        ``None``: never warn (:attr:`last_skip` and :attr:`skip_causes` still count them).
 
     Pickling and ``copy.deepcopy`` work at any point of training, as for ``GradScaler``: the
     copy refers to the same model (it does not carry one), with the state and counters as they

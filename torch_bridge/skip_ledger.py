@@ -39,6 +39,7 @@ class SkipLedger:
         self.iterations = 0
         self.last_skip: skips.SkipDiagnosis | None = None
         self.causes: dict[str, int] = {}
+        self.rate = skips.SkipRate()  # skips too frequent, though never warn_after in a row
 
     def stepped(self, skipped: bool) -> None:
         """A ``step()`` (or ``scale_loss`` exit) read its inf/NaN flag: ``skipped`` or not."""
@@ -50,20 +51,24 @@ class SkipLedger:
     def end_iteration(self, model: torch.nn.Module | None, last: BackwardRecord | None,
                       iteration: int) -> str | None:
         """After an iteration's ``update()``: count it if a step skipped, say why (reading the
-        device only now), and return the warning's text once per run of ``warn_after`` in a row
-        (else ``None``); the iteration's records are dropped."""
+        device only now), and return the warning's text once per run of ``warn_after`` in a row,
+        or when skips are frequent though never that many in a row (:class:`adaloss.skips.SkipRate`),
+        else ``None``; the iteration's records are dropped."""
         skipped, self.this_iteration = self.this_iteration, False
         records, self.records = self.records or ([last] if last is not None else []), []
+        frequent = self.rate.note(skipped) and self.warn_after is not None
         if not skipped:
             self.run = 0
-            return None
-        self.run += 1
-        self.iterations += 1
-        diagnosis = _diagnose(model, records)
-        self.last_skip = diagnosis
-        self.causes[diagnosis.cause.value] = self.causes.get(diagnosis.cause.value, 0) + 1
-        if self.run == self.warn_after:
-            return skips.warning_text(diagnosis, self.run, self.iterations, iteration)
+        else:
+            self.run += 1
+            self.iterations += 1
+            diagnosis = _diagnose(model, records)
+            self.last_skip = diagnosis
+            self.causes[diagnosis.cause.value] = self.causes.get(diagnosis.cause.value, 0) + 1
+            if self.run == self.warn_after:
+                return skips.warning_text(diagnosis, self.run, self.iterations, iteration)
+        if frequent and self.last_skip is not None:
+            return self.rate.text(self.last_skip, self.iterations, iteration)
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -441,8 +441,29 @@ def rules(docs: Path) -> str:
     return "\n".join(rows)
 
 
+def failures(docs: Path) -> str:
+    """The page "When global loss scaling fails" (``docs/failures.json``)."""
+    from adaloss_study import failure_tables
+    return failure_tables.page(docs)
+
+
+def failures_summary(docs: Path) -> str:
+    """Per failure mechanism, whom adaloss beats, ties and loses to (``docs/failures.json``)."""
+    from adaloss_study import failure_tables
+    return failure_tables.summary(docs)
+
+
+def failures_line(docs: Path) -> str:
+    """One sentence: where adaloss beats, ties and loses to the other scalers (``docs/failures.json``)."""
+    from adaloss_study import failure_tables
+    return failure_tables.line(docs)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "readme-results": readme_results,
+    "failures": failures,
+    "failures-summary": failures_summary,
+    "failures-line": failures_line,
     "study-cases": study_cases,
     "zoo-summary": zoo_summary,
     "threshold": threshold,
