@@ -36,10 +36,11 @@ from typing import NamedTuple
 
 #: Skipped steps in a row after which a front warns (once per run of skipped steps).
 WARN_AFTER = 3
-#: A front also warns when more than :data:`RATE_WARN` of the last :data:`RATE_WINDOW` steps were
+#: The steps :class:`SkipRate` looks back over.
+RATE_WINDOW = 100
+#: A front also warns when more than this share of the last :data:`RATE_WINDOW` steps were
 #: skipped (:class:`SkipRate`): skips that never come :data:`WARN_AFTER` in a row (a forward that
 #: overflows on one batch in three) would otherwise go unsaid.
-RATE_WINDOW = 100
 RATE_WARN = 0.2
 
 

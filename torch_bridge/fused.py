@@ -204,7 +204,7 @@ def _unflatten(spec: Any, leaves: Any) -> Any:
 class FusionSchedule:
     """When a scaler's backwards run their decisions compiled: with ``fused`` (``None``: never),
     once the last ``fused.steady_after`` backwards met their decisions with the same shapes
-    (:attr:`torch_bridge.hooks.BackwardRecord.shapes`), until the shapes change or the backend
+    (``BackwardRecord.shapes``), until the shapes change or the backend
     fails (:attr:`FusedMath.failed`). Pickled with ``fused``'s settings, not its compiled calls."""
 
     def __init__(self, fused: FusedMath | None) -> None:
