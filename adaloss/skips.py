@@ -44,6 +44,14 @@ RATE_WINDOW = 100
 RATE_WARN = 0.2
 
 
+def checked_after(value: int | None, name: str) -> int | None:
+    """``value`` (skipped steps in a row before a front warns; ``None``: never), or a
+    ``ValueError`` naming ``name``."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    return value
+
+
 class SkippedStepsWarning(RuntimeWarning):
     """Steps are being skipped in a row: what :func:`diagnose` found, and the remedy."""
 

@@ -32,6 +32,7 @@ from adaloss.skips import (
     SkipDiagnosis,
     SkippedStepsWarning,
     SkipRate,
+    checked_after,
     diagnose,
     warning_text,
 )
@@ -115,9 +116,7 @@ class SkipMonitor:
     """
 
     def __init__(self, after: int | None = WARN_AFTER) -> None:
-        if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 1):
-            raise ValueError(f"after must be an int >= 1 or None, got {after!r}")
-        self.after = after
+        self.after = checked_after(after, "after")
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._warned_run: int | None = None  # the update count at which the run warned about began
         self._rate = SkipRate()  # skips too frequent, though never `after` in a row

@@ -58,6 +58,7 @@ from torch_bridge.sharded import (
     agree_found_inf,
     fsdp2_modules,
     local_grad,
+    own_values,
     refuse_fsdp1,
     unsharded_names,
 )
@@ -402,7 +403,7 @@ class AdaLossScaler:
         for p, old in self._pending.values():
             if p.grad is None or p in self._routes:  # (an FSDP2 copy's: routed unscaled)
                 continue
-            grad = _values(local_grad(p.grad))
+            grad = own_values(local_grad(p.grad))
             groups.setdefault((id(old), grad.device), (old, []))[1].append(grad)
         targets: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
@@ -412,7 +413,7 @@ class AdaLossScaler:
                 torch._foreach_mul_(grads, targets[dev] / old.to(dev))
         for key, (p, _) in list(self._pending.items()):
             if p.grad is not None and p not in self._routes:
-                self._pending[key] = (p, targets[_values(local_grad(p.grad)).device])
+                self._pending[key] = (p, targets[own_values(local_grad(p.grad)).device])
 
     @torch._disable_dynamo  # eager inside a compiled step (see torch_bridge.hooks)
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -454,7 +455,7 @@ class AdaLossScaler:
             old = self._pending.get(id(param), (param, None))[1]
         old = torch.ones((), dtype=_F32, device=grad.device) if old is None else old
         with torch.no_grad():  # (a create_graph backward records only the products below)
-            absmax = [_values(param.grad).abs().amax().to(_F32), _values(grad).abs().amax().to(_F32)]
+            absmax = [own_values(param.grad).abs().amax().to(_F32), own_values(grad).abs().amax().to(_F32)]
             target = solver.merge_scale([old, scale], absmax, u_max(self._config, grad.dtype), xp)
             param.grad.mul_(target / old)
         return _times(grad, target / scale), target
@@ -507,7 +508,7 @@ class AdaLossScaler:
                 grad = local_grad(p.grad)
                 if grad.dtype == torch.float16:
                     raise ValueError(_FP16_GRADS)
-                grad = _values(grad)
+                grad = own_values(grad)
                 dev = grad.device
                 entry = self._pending.pop(id(p), None)
                 scale = self._one(dev) if entry is None else entry[1]
@@ -800,11 +801,6 @@ def _register(model: torch.nn.Module) -> str:
     _MODELS[token] = model
     return token
 
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient's own values (uncoalesced, as GradScaler unscales them: an in-place op
-    reaches the gradient; a duplicate index's entries scale alike), a dense one itself."""
-    return t._values() if t.is_sparse else t
 
 
 def _times(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

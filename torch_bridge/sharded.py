@@ -144,6 +144,12 @@ class Fp16Routes:
         self.__init__()  # type: ignore[misc]
 
 
+def own_values(t: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient's own values (uncoalesced, as GradScaler unscales them: an in-place op
+    reaches the gradient; a duplicate index's entries scale alike), a dense one itself."""
+    return t._values() if t.is_sparse else t
+
+
 def local_grad(grad: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor`` gradient (the same storage), else ``grad``."""
     to_local = getattr(grad, "to_local", None)
@@ -157,5 +163,5 @@ def agree_found_inf(found: dict[torch.device, torch.Tensor]) -> None:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
 
 
-__all__ = ["Fp16Routes", "agree_found_inf", "fp16_copies", "fsdp2_modules", "local_grad", "refuse_fsdp1",
-           "route_unscaled", "unsharded_names"]
+__all__ = ["Fp16Routes", "agree_found_inf", "fp16_copies", "fsdp2_modules", "local_grad", "own_values",
+           "refuse_fsdp1", "route_unscaled", "unsharded_names"]

@@ -10,7 +10,7 @@ import torch
 
 from adaloss import skips
 from adaloss.report import weight_of
-from torch_bridge.sharded import local_grad
+from torch_bridge.sharded import local_grad, own_values
 
 if TYPE_CHECKING:
     from torch_bridge.hooks import BackwardRecord
@@ -27,10 +27,7 @@ class SkipLedger:
     """
 
     def __init__(self, warn_after: int | None) -> None:
-        if warn_after is not None and (not isinstance(warn_after, int) or isinstance(warn_after, bool)
-                                       or warn_after < 1):
-            raise ValueError(f"warn_after_skips must be an int >= 1 or None, got {warn_after!r}")
-        self.warn_after = warn_after
+        self.warn_after = skips.checked_after(warn_after, "warn_after_skips")
         self.steps = 0
         self.last = False
         self.this_iteration = False  # a step() of the iteration in progress skipped
@@ -98,10 +95,7 @@ def _diagnose(model: torch.nn.Module | None, records: list[BackwardRecord]) -> s
                        for name, d in reversed(decided)])  # (recorded in forward order)
     layers = next((c for c in checks if not all(k.finite for k in c)), checks[-1] if checks else [])
     grads = {} if model is None else {
-        name: bool(torch.isfinite(_values(local_grad(p.grad))).all())
+        name: bool(torch.isfinite(own_values(local_grad(p.grad))).all())
         for name, p in model.named_parameters() if p.grad is not None}
     return skips.diagnose(loss_finite, layers, grads)
 
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    return t._values() if t.is_sparse else t
