@@ -30,6 +30,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from adaloss.config import GRAD_FORMATS, AdaLossConfig
+from adaloss.fan_in import conv_fan_in
 from adaloss.report import Coverage, warn_coverage
 from jax_adaloss.fp8_gemm import dequantized, fp8_dot, fp8_operand, quantized_operand
 from jax_adaloss.weight_grads import dtype_of, is_float, is_narrow_float, widenable
@@ -604,9 +605,12 @@ def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
         (contract, batch) = nums.dot_dimension_numbers
         skip = set(contract[w]) | set(batch[w]) | (set(nums.rhs_group_dimensions) if w == 1 else set())
         return math.prod(d for i, d in enumerate(shape) if i not in skip)
-    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
-    groups = eqn.params["feature_group_count"]
-    return math.prod(shape) // shape[rhs_spec[1]] // groups
+    params = eqn.params  # conv_general_dilated
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    return conv_fan_in(shape[rhs_spec[0]], params["feature_group_count"],
+                       [shape[d] for d in rhs_spec[2:]], params["window_strides"],
+                       params["rhs_dilation"], params["lhs_dilation"],
+                       [lo for lo, _ in params["padding"]])
 
 #: per primitive, the tape's rule that may make its equation a decision node; every other
 #: equation is an ``op``, transposed (its cotangent keeps the scale it carries)

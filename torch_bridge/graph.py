@@ -13,7 +13,7 @@ module walks that graph once and decides, in the same terms as
   ``torch._grouped_mm``) or convolution with exactly one weight operand (or one operand
   gathered from a parameter by data indices: per-token expert weights) and an activation
   operand that needs a gradient; its fan-in ``n`` is the weight's extent along the output
-  dimension (out_channels·kh·kw/groups for a convolution);
+  dimension (a convolution's: :func:`adaloss.fan_in.conv_fan_in`);
 - a *cast* is a node that narrows the cotangent for one of its inputs (an
   ``fp16 → fp32`` upcast in forward, explicit or by type promotion);
 - a *factor* is a mul/div by a scalar that can amplify a 16-bit cotangent: its hook
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from adaloss.fan_in import conv_fan_in
 from adaloss.report import Coverage
 
 FP8_NODE = "_Float8MatmulBackward"  # torch_bridge.float8's layer (a name: no import of it here)
@@ -84,6 +85,18 @@ _NORMS = frozenset({"NativeLayerNormBackward0", "NativeBatchNormBackward0", "Nat
 # opaque regions that use parameters inside: reentrant torch.utils.checkpoint (parameters
 # reached by a nested backward, not edges) and torch.compile (AOTAutograd)
 _REGIONS = ("CheckpointFunctionBackward", "CompiledFunctionBackward")
+# fused RNNs: one node runs every time step's GEMMs (oneDNN's per layer and direction; cuDNN's
+# and MIOpen's for the whole stack): a weighted region with one decision (see
+# torch_bridge.layers.fused_rnn). Per node kind: its input's edge, the saved weights (an attribute
+# per tensor, or one holding the list), whether it runs both directions of a bidirectional RNN
+FUSED_RNN: dict[str, tuple[int, tuple[str, ...], bool]] = {
+    "MkldnnRnnLayerBackward0": (0, ("_saved_weight0", "_saved_weight1"), False),
+    "CudnnRnnBackward0": (0, ("_saved_weight",), True),
+    "MiopenRnnBackward0": (0, ("_saved_weight",), True),
+}
+# the gates of one RNN cell (the rows of its input-to-hidden matrix per hidden unit), by the
+# ``mode`` the fused kernels save: RNN_RELU, RNN_TANH, LSTM, GRU
+RNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
 _ACT = None  # origin of activations; a weight's origin is its parameter name
 # node kinds that only lower the scale they pass on, where the node would make a 16-bit value
 # overflow: a scalar factor, a first layer's weight gradient (no decision, no report)
@@ -103,7 +116,7 @@ class NodePlan:
     """
 
     index: int
-    kind: str = "op"  # "op" | "layer" | "cast" | "region"
+    kind: str = "op"  # "op" | "layer" | "cast" | "region" | "rnn" | "input" | "factor" | "norm"
     name: str = ""
     rank: int = 0  # forward (creation) order
     out_dtypes: tuple[torch.dtype, ...] = ()
@@ -235,6 +248,12 @@ class ScalePlan:
         if grad_dtype is not None:
             _check_format(template.order, grad_dtype)
 
+    @property
+    def opaque(self) -> bool:
+        """Whether the plan has opaque regions whose parameters are reached by a nested backward
+        (kind ``region``; a fused RNN's are its node's edges)."""
+        return any(p.kind == "region" for p in self.order)
+
     def layers(self) -> list[NodePlan]:
         """Layer, cast and region nodes in forward order."""
         return sorted((p for p in self.order if p.kind not in NO_DECISION), key=lambda p: p.rank)
@@ -243,7 +262,7 @@ class ScalePlan:
 def _check_format(order: tuple[NodePlan, ...], grad_dtype: torch.dtype) -> None:
     """Every 16-bit (or narrower) cotangent a decision governs must be in ``grad_dtype``."""
     for p in order:
-        if p.kind == "layer":
+        if p.kind in ("layer", "rnn"):
             dtype, what = p.out_dtypes[0], f"layer {p.name}"
         elif p.kind == "cast":
             dtype, what = p.narrow_dtype, f"{p.name} (a cotangent cast)"
@@ -300,10 +319,11 @@ class _Builder:
         walk_to_order = tuple(self.pos[w] for w in range(len(self.walk_pos)))
         scaled = sum(p.kind == "layer" for p in self.plans)
         first = sum(p.kind == "input" for p in self.plans)
-        regions = sum(p.kind == "region" for p in self.plans)
+        rnns = sum(p.kind == "rnn" for p in self.plans)
+        regions = sum(p.kind == "region" for p in self.plans) + rnns
         # one entry per layer report: with an fp8 grad_format a first layer quantizes the
-        # cotangent of its weight gradient and reports it
-        layers = scaled + (first if self.fp8 else 0)
+        # cotangent of its weight gradient and reports it; a fused RNN's one decision is reported
+        layers = scaled + rnns + (first if self.fp8 else 0)
         no_layer = scaled == 0 and self.weighted_ops > first
         return _Template(tuple(self.plans), walk_to_order, self.n_syms,
                          Coverage(self.weighted_ops, layers, regions), tuple(self.missed), no_layer)
@@ -317,7 +337,7 @@ class _Builder:
         names: dict[str, int] = defaultdict(int)
         casts = regions = factors = norms = 0
         for plan in sorted(self.plans, key=lambda p: p.rank):  # forward order
-            if self._as_layer(plan):
+            if self._as_layer(plan) or self._as_rnn(plan):
                 k = names[plan.name]
                 names[plan.name] += 1
                 plan.name = plan.name if k == 0 else f"{plan.name}@{k}"
@@ -404,6 +424,26 @@ class _Builder:
         # the output's features: a convolution's channels; a matmul's last dimension, or with the
         # weight on the left (W @ x) its rows
         plan.feature_dim = 1 if kind == _CONV else (-2 if w == 0 and kind not in _VECTOR else -1)
+        return True
+
+    def _as_rnn(self, plan: NodePlan) -> bool:
+        """A fused RNN (:data:`FUSED_RNN`) with a parameter among its weights: a weighted region
+        named for its first parameter, its fan-in the gates times the hidden size (times the
+        directions a node runs): the terms summed into an entry of its input's gradient."""
+        node = self.nodes[plan.index]
+        rule = FUSED_RNN.get(node.name())
+        if rule is None:
+            return False
+        self.weighted_ops += 1
+        act, _, both = rule
+        weights = [self.origin[e[0]] for i, e in enumerate(plan.edges)
+                   if i != act and e is not None and self.origin[e[0]] is not _ACT]
+        if not weights:
+            return False  # frozen weights: the region is data
+        directions = 2 if both and bool(getattr(node, "_saved_bidirectional", False)) else 1
+        plan.kind, plan.name = "rnn", weights[0]
+        plan.act_edge, plan.act_attr = act, "_saved_input"
+        plan.fan_in = RNN_GATES[int(node._saved_mode)] * int(node._saved_hidden_size) * directions
         return True
 
     def _gathered(self, edge: tuple[int, int]) -> str | None:
@@ -644,12 +684,13 @@ def python_number(t: torch.Tensor) -> float | None:
 
 def _fan_in(kind: str, w: int, shape: tuple[int, ...], node: Any) -> int:
     """Terms summed into each entry of the activation's gradient."""
-    if kind == _CONV:
+    if kind == _CONV:  # weight [out, in/groups, *k]; transposed: [in, out/groups, *k]
         groups = int(getattr(node, "_saved_groups", 1))
-        total = 1
-        for d in shape:
-            total *= d
-        return total // shape[1] // groups
+        stride, dilation = tuple(node._saved_stride), tuple(node._saved_dilation)
+        if bool(getattr(node, "_saved_transposed", False)):  # dx: a strided conv of g, every tap
+            return conv_fan_in(shape[1] * groups, groups, shape[2:], dilation=dilation,
+                               lhs_dilation=stride)
+        return conv_fan_in(shape[0], groups, shape[2:], strides=stride, dilation=dilation)
     if len(shape) == 1:  # a vector weight of mv: each input-gradient entry is one product
         return 1 if w == 1 else shape[0]
     return shape[-1] if w == 1 else shape[-2]

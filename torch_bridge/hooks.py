@@ -283,7 +283,7 @@ class ScaledBackward:
                 self.handles.append(node.register_prehook(functools.partial(_pre_hook, self._me, i)))
             if p.hooked_after:
                 self.handles.append(node.register_hook(functools.partial(_post_hook, self._me, i)))
-        self.hidden = list(hidden) if plan.coverage.opaque_regions else []
+        self.hidden = list(hidden) if plan.opaque else []
         self.hidden_handles = [t.register_hook(functools.partial(_hidden_hook, self._me, k))
                                for k, t in enumerate(self.hidden) if t.requires_grad]
 

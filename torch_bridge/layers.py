@@ -15,7 +15,9 @@ feedback the decisions hear.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,7 +29,7 @@ from adaloss.config import AdaLossConfig
 from adaloss.report import LayerReport, decision_report, weight_of
 from torch_bridge import kernels
 from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, xp
-from torch_bridge.graph import FP8_NODE, NodePlan, peek_saved, python_number, read_saved
+from torch_bridge.graph import FP8_NODE, FUSED_RNN, NodePlan, peek_saved, python_number, read_saved
 from torch_bridge.stats import (
     cotangent_stats,
     fp8_cast_counts,
@@ -260,6 +262,82 @@ def reduction_cap(bw: ScaledBackward, p: NodePlan, g: torch.Tensor) -> Any:
                                   bw.sm.xp, bw.bo, wgrad_limit(bw, g))
 
 
+def fused_rnn(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
+    """A fused RNN's node (every time step's GEMMs in one kernel: oneDNN, cuDNN, MIOpen) as one
+    weighted region: its cotangents (the output sequence's, the last hidden and cell states')
+    get one layer decision (:func:`adaloss.decisions.layer`) from their joint statistics and its
+    weight matrices', with the region's fan-in (gates × hidden: the terms of its input's gradient)
+    and, where the node computes its weight gradients in 16 bits, the cap of a weight gradient
+    summed over every time step and batch entry (the cotangent's and the saved input's column
+    norms over those rows, Cauchy-Schwarz as for a matmul). Everything the node computes from
+    the scaled cotangents (its input's, weights', biases' and initial states' gradients)
+    carries ``incoming · s``."""
+    present = [k for k in range(len(go)) if go[k] is not None]
+    incoming = bw.now.values[p.sym]
+    if not present or incoming is None:
+        bw.now.values[p.send] = incoming
+        return
+    cfg, node = bw.config, bw.plan.nodes[p.index]
+    gs = [go[k] for k in present]
+    g = gs[0]
+    parts = [cotangent_stats(t, cfg.model == "gradient", None, bw.sm is ON_HOST)[0] for t in gs]
+    sums = decisions.Sums(_total(s.total for s in parts), _total(s.sq_total for s in parts),
+                          _extreme(torch.minimum, [s.lo for s in parts]),
+                          _extreme(torch.maximum, [s.hi for s in parts]))
+    size = sum(t.numel() for t in gs)
+    ws, w_size = None, 0
+    if cfg.model != "gradient":
+        weights = rnn_weights(node)
+        stats = weight_sums_of(weights)
+        ws = decisions.Sums(None, _total(st.sq_total for st in stats), _extreme(torch.minimum, [st.lo for st in stats]),
+                            _extreme(torch.maximum, [st.hi for st in stats]))
+        w_size = sum(w.numel() for w in weights)
+    norms, root_rows = None, 0.0
+    x = read_saved(node, p.act_attr) if g.dtype.itemsize <= 2 else None
+    if x is not None and x.numel() and g.numel():
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.detach().reshape(-1, x.shape[-1])
+        norms = (sum_of_squares(g2, 0).amax(), sum_of_squares(x2, 0).amax())
+        root_rows = float(x2.shape[0]) ** 0.5  # time steps × batch: the terms of a weight gradient
+    if bw.sm is ON_TENSORS and bw.fused is not None:  # values, not static: no compile per batch
+        size = bw.fused.constant(size, torch.int64, g.device)
+        root_rows = bw.fused.constant(root_rows, _F32, g.device)
+    behind = sorted(bw.now.deciders.get(p.sym, frozenset()))
+    limited = bw.now.feedback.flags(behind)
+    dec = bw.compute(decisions.layer, (cfg, p.fan_in, w_size, wgrad_limit(bw, g)), size, sums, ws, norms,
+                     root_rows, incoming, bw.bo, None, None, None, None, limited)
+    for k in present:
+        go[k] = bw.rescale(go[k], dec.d.scale)
+    d = dec.d
+    bw.now.deciders[p.send] = frozenset({p.name})
+    bw.now.feedback.decided(p.name, dec.limited)
+    bw.now.model_scales[p.name], bw.now.spreads[p.name] = d.model_scale, d.sigma
+    bw.now.values[p.send] = dec.outgoing
+    bw.now.decisions[p.name] = Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
+                                       False if dec.held is None else dec.held)
+
+
+def rnn_weights(node: Any) -> list[torch.Tensor]:
+    """The weight matrices a fused RNN node saved (:data:`torch_bridge.graph.FUSED_RNN`; biases
+    left out: a bias multiplies no cotangent)."""
+    out: list[torch.Tensor] = []
+    for attr in FUSED_RNN[node.name()][1]:
+        saved = peek_saved(node, attr)
+        saved = getattr(node, attr) if saved is None else saved
+        for w in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                out.append(w.detach())
+    return out
+
+
+def _total(values: Any) -> Any:
+    values = list(values)
+    return None if any(v is None for v in values) else functools.reduce(operator.add, values)
+
+
+def _extreme(pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    return functools.reduce(lambda a, b: pick(a.to(_F32), b.to(_F32)), values) if len(values) > 1 else values[0]
+
+
 def input_layer(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     """A first layer (its input needs no gradient: no decision) computes its weight and bias
     gradients in 16 bits from the cotangent it receives: lowered by the power of two that
@@ -490,6 +568,7 @@ RULES: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "input": (input_layer, layer_fp8),
     "cast": (cast, cast),
     "region": (cast, cast),
+    "rnn": (fused_rnn, cast),  # fp8: the region computes in 16 bits; its boundary a cast
     "factor": (factor, factor),
     "norm": (norm, norm),
 }

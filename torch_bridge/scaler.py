@@ -306,7 +306,7 @@ class AdaLossScaler:
                                           else bool(self.unscale_in_backward))
         self._coverage = plan.coverage
         hidden: list[torch.Tensor] = []
-        if plan.coverage.opaque_regions:
+        if plan.opaque:
             planned = {id(p) for p in plan.params if p is not None}
             hidden = [p for p in model.parameters() if id(p) not in planned]
         recompute = self._iteration % self._config.update_every == 0
@@ -840,11 +840,22 @@ def _warn_coverage(plan: ScalePlan) -> None:
     """Say once per graph structure when matmuls/convolutions that should scale do not."""
     cov = plan.coverage
     opaque = no_layer = None
-    if cov.opaque_regions:
-        opaque = (f"{cov.opaque_regions} opaque region(s) (torch.compile, reentrant torch.utils.checkpoint, "
-                  "or a custom autograd Function using parameters) get one scale decision at their "
-                  "boundary and no per-layer scale inside; for per-layer scales, run the model "
-                  "uncompiled and use checkpoint(..., use_reentrant=False)")
+    rnns = sum(p.kind == "rnn" for p in plan.order)
+    said = []
+    if cov.opaque_regions > rnns:
+        said.append(f"{cov.opaque_regions - rnns} opaque region(s) (torch.compile, reentrant "
+                    "torch.utils.checkpoint, or a custom autograd Function using parameters) get one "
+                    "scale decision at their boundary and no per-layer scale inside; for per-layer "
+                    "scales, run the model uncompiled and use checkpoint(..., use_reentrant=False)")
+    if rnns:
+        said.append(f"{rnns} fused RNN node(s) (an nn.LSTM/GRU/RNN run by cuDNN, MIOpen or oneDNN: "
+                    "every time step's matmuls in one kernel) get one scale decision each, sized for "
+                    "their weight gradients summed over time steps and batch, and no per-gate scale "
+                    "inside; for per-layer scales, run the RNN unfused (under "
+                    "torch.backends.cudnn.flags(enabled=False) on CUDA, "
+                    "torch.backends.mkldnn.flags(enabled=False) on CPU) or as a loop over nn.LSTMCell")
+    if said:
+        opaque = "; ".join(said)
     if plan.no_layer:
         no_layer = (f"no layer found among {cov.weighted_ops} matmul/convolution nodes: none has one "
                     "operand computed from parameters of the scaler's model alone (frozen or foreign "
