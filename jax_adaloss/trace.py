@@ -19,6 +19,7 @@ that passes its cotangent's scale through).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -230,6 +231,8 @@ class Tape:
     def _bind(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
         prim = eqn.primitive
         params = prim.get_bind_params(eqn.params)
+        if prim.name == "dot_general" and params.get("precision") is not None:
+            params = runnable_precision(params, [self.values[s] for s in ins[:2]])
         vals = [self.values[s] for s in ins]
         fp8_operands = None
         if self.operands is not None and self._layer_operands(prim.name, ins) is not None:
@@ -536,6 +539,38 @@ def _narrow_elementwise(prim: str, vals: list[Any], out_vals: list[Any]) -> bool
     floats = [v for v in (*vals, out) if is_float(jnp.result_type(v)) and np.ndim(v)]
     return (is_narrow_float(dtype_of(out)) and all(is_narrow_float(dtype_of(v)) for v in floats)
             and all(np.shape(v) == np.shape(out) for v in floats))
+
+
+def runnable_precision(params: dict[str, Any], operands: Sequence[Any]) -> dict[str, Any]:
+    """``dot_general``'s bind params with a dot algorithm the default backend cannot lower
+    (XLA:CPU has no ``F16_F16_F32`` / ``BF16_BF16_F32``, which ``jax.nn.dot_product_attention``
+    asks for) replaced by the default precision: the fallback ``jax.nn.dot_product_attention``
+    itself takes where the algorithm fails eagerly (its ``jax.grad`` runs on CPU), and the same
+    numbers on CPU (a 16-bit dot accumulates in fp32 there). Under a trace the algorithm would
+    fail only when the program is lowered, so it is checked here, once per algorithm and dtypes."""
+    algorithm = params["precision"]
+    if not isinstance(algorithm, (jax.lax.DotAlgorithmPreset, jax.lax.DotAlgorithm)):
+        return params
+    dtypes = tuple(jnp.dtype(jnp.result_type(v)) for v in operands)
+    out = params.get("preferred_element_type")
+    if _lowers(algorithm, dtypes, None if out is None else jnp.dtype(out), jax.default_backend()):
+        return params
+    return {**params, "precision": None}
+
+
+@functools.cache
+def _lowers(algorithm: Any, dtypes: tuple[Any, ...], out: Any, backend: str) -> bool:
+    """Whether a ``dot_general`` of two vectors of ``dtypes`` with ``algorithm`` lowers on ``backend``."""
+    def dot(a: Any, b: Any) -> Any:
+        return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=algorithm,
+                                   preferred_element_type=out)
+
+    try:
+        jax.jit(dot).trace(*(jax.ShapeDtypeStruct((2,), d) for d in dtypes)).lower(
+            lowering_platforms=(backend,))
+    except Exception:  # noqa: BLE001 (XLA's refusal: ValueError or NotImplementedError by platform)
+        return False
+    return True
 
 
 def _amplification(prim: str, vals: list[Any], known: list[float | None], diff: tuple[int, ...],
