@@ -55,7 +55,8 @@ def test_fused_lstm_gets_a_decision_and_fp32_gradients(factor):
     # two fused layers (one node each) and the Linear: three decisions, two regions
     assert scaler.coverage() == Coverage(weighted_ops=3, layers=3, opaque_regions=2)
     (warning,) = [w for w in said if issubclass(w.category, AdaLossCoverageWarning)]
-    assert "2 fused RNN node(s)" in str(warning.message) and "mkldnn.flags(enabled=False)" in str(warning.message)
+    said = str(warning.message)
+    assert "2 fused RNN node(s)" in said and "mkldnn.flags(enabled=False)" in said
     reps = scaler.layer_reports()
     for layer in ("rnn.weight_ih_l0", "rnn.weight_ih_l1"):
         assert int(reps[layer].fan_in) == 4 * 64  # four gates of 64 units

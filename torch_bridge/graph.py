@@ -324,7 +324,7 @@ class _Builder:
         # one entry per layer report: with an fp8 grad_format a first layer quantizes the
         # cotangent of its weight gradient and reports it; a fused RNN's one decision is reported
         layers = scaled + rnns + (first if self.fp8 else 0)
-        no_layer = scaled == 0 and self.weighted_ops > first
+        no_layer = scaled == 0 and self.weighted_ops - self.unruled > first
         return _Template(tuple(self.plans), walk_to_order, self.n_syms,
                          Coverage(self.weighted_ops, layers, regions), tuple(self.missed), no_layer)
 
@@ -332,7 +332,7 @@ class _Builder:
     def _classify(self) -> None:
         for o in reversed(range(len(self.plans))):  # producers first
             self.origin[o] = self._node_origin(o)
-        self.weighted_ops = 0
+        self.weighted_ops = self.unruled = 0
         self.missed: list[str] = []
         names: dict[str, int] = defaultdict(int)
         casts = regions = factors = norms = 0
@@ -357,6 +357,8 @@ class _Builder:
             elif self.fp8 and self._normalizes(plan):
                 plan.kind, plan.name = "norm", f"norm:{norms}"
                 norms += 1
+            else:
+                self._unruled(plan)
 
     def _node_origin(self, o: int) -> str | None:
         node, plan = self.nodes[o], self.plans[o]
@@ -445,6 +447,33 @@ class _Builder:
         plan.act_edge, plan.act_attr = act, "_saved_input"
         plan.fan_in = RNN_GATES[int(node._saved_mode)] * int(node._saved_hidden_size) * directions
         return True
+
+    def _unruled(self, plan: NodePlan) -> None:
+        """A node no rule knows that combines a parameter with data into a result of another
+        shape (a contraction: ``nn.Bilinear``'s ``_trilinear``, a fused kernel of a library): a
+        weighted op that gets no decision, said in the coverage warning. An elementwise node
+        (every operand broadcasts to its result: a bias, a norm's affine weight, PReLU) passes its
+        scale on, as the method's rule for ops without a weight operand says."""
+        node = self.nodes[plan.index]
+        if plan.leaf or not plan.out_dtypes or node.name() in _NORMS:
+            return
+        params, data = [], False
+        for e in plan.edges:
+            if e is None:
+                continue
+            if self.origin[e[0]] is _ACT:
+                data = True
+            else:
+                params.append((self.origin[e[0]], self._shape(e)))
+        if not params or not data:
+            return
+        out = list(node._input_metadata[0].shape)
+        if all(_broadcasts(shape, out) for _, shape in params):
+            return
+        self.weighted_ops += 1
+        self.unruled += 1
+        self.missed.append(f"{node.name()} (no rule for it: it contracts the parameter {params[0][0]} "
+                           "with data; the scale entering it passes through)")
 
     def _gathered(self, edge: tuple[int, int]) -> str | None:
         """The parameter whose slices arrive on ``edge`` as a matmul operand, gathered by data
@@ -601,6 +630,16 @@ class _Builder:
                 sym = plan.send if plan.kind != "op" else plan.sym
                 plan.edge_syms[i] = sym
                 contribs[e[0]][e[1]].append((plan.index, i, sym))
+
+
+def _broadcasts(shape: list[int], out: list[int]) -> bool:
+    """Whether an operand of ``shape`` broadcasts to a result of shape ``out``, or is a vector
+    along one of its dimensions (a per-channel weight of an NCHW result)."""
+    if len(shape) == 1 and shape[0] in out:
+        return True
+    if len(shape) > len(out):
+        return False
+    return all(a in (1, b) for a, b in zip(reversed(shape), reversed(out)))
 
 
 def _offloaded(raw: Any) -> bool:

@@ -42,6 +42,7 @@ from torch_bridge._xp import ON_HOST, ON_TENSORS, ScalarMath, scalar_math
 from torch_bridge.fused import FusedMath
 from torch_bridge.graph import NO_DECISION, NodePlan, ScalePlan
 from torch_bridge.layers import RULES, Decision
+from torch_bridge.regions import GLOBAL
 
 _F32 = torch.float32
 
@@ -407,9 +408,10 @@ class ScaledBackward:
         self.sm = scalar_math(g, self.host_math and self.fused is None)
         self._fuse = self.fused is not None and self.sm is ON_TENSORS and not self.config.fp8
         self.bo = None if self.backoff is None else self.sm.to_xp(self.backoff.to(g.device))
-        init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
-        if self.global_reason is not None and self.backoff is not None:  # the scaler's get_scale()
-            init = init * self.backoff.to(g.device)
+        if self.global_reason is not None:  # one dynamic scale, GradScaler's (the scaler's get_scale())
+            init = self.region_scale(GLOBAL, g.device).clone()
+        else:
+            init = torch.full((), self.config.init_scale, dtype=_F32, device=g.device)
         self.now.values[0] = self.sm.to_xp(init)
         if self.config.init_scale != 1.0 or self.global_reason is not None:
             go[0] = rescale(g, init)

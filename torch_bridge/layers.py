@@ -280,18 +280,12 @@ def fused_rnn(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
     cfg, node = bw.config, bw.plan.nodes[p.index]
     gs = [go[k] for k in present]
     g = gs[0]
-    parts = [cotangent_stats(t, cfg.model == "gradient", None, bw.sm is ON_HOST)[0] for t in gs]
-    sums = decisions.Sums(_total(s.total for s in parts), _total(s.sq_total for s in parts),
-                          _extreme(torch.minimum, [s.lo for s in parts]),
-                          _extreme(torch.maximum, [s.hi for s in parts]))
+    sums = _joint([cotangent_stats(t, cfg.model == "gradient", None, bw.sm is ON_HOST)[0] for t in gs])
     size = sum(t.numel() for t in gs)
     ws, w_size = None, 0
     if cfg.model != "gradient":
         weights = rnn_weights(node)
-        stats = weight_sums_of(weights)
-        ws = decisions.Sums(None, _total(st.sq_total for st in stats), _extreme(torch.minimum, [st.lo for st in stats]),
-                            _extreme(torch.maximum, [st.hi for st in stats]))
-        w_size = sum(w.numel() for w in weights)
+        ws, w_size = _joint(weight_sums_of(weights)), sum(w.numel() for w in weights)
     norms, root_rows = None, 0.0
     x = read_saved(node, p.act_attr) if g.dtype.itemsize <= 2 else None
     if x is not None and x.numel() and g.numel():
@@ -329,13 +323,18 @@ def rnn_weights(node: Any) -> list[torch.Tensor]:
     return out
 
 
-def _total(values: Any) -> Any:
-    values = list(values)
-    return None if any(v is None for v in values) else functools.reduce(operator.add, values)
+def _joint(parts: list[decisions.Sums]) -> decisions.Sums:
+    """The :class:`~adaloss.decisions.Sums` of several tensors taken as one: the sums added
+    (None where any is), the extremes of their extremes (fp32)."""
+    if len(parts) == 1:
+        return parts[0]
 
+    def added(xs: list[Any]) -> Any:
+        return None if any(x is None for x in xs) else functools.reduce(operator.add, xs)
 
-def _extreme(pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    return functools.reduce(lambda a, b: pick(a.to(_F32), b.to(_F32)), values) if len(values) > 1 else values[0]
+    return decisions.Sums(added([p.total for p in parts]), added([p.sq_total for p in parts]),
+                          torch.stack([p.lo.to(_F32) for p in parts]).amin(),
+                          torch.stack([p.hi.to(_F32) for p in parts]).amax())
 
 
 def input_layer(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:

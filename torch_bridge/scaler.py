@@ -41,6 +41,7 @@ import torch
 from adaloss import decisions, skips, solver
 from adaloss.config import AdaLossConfig
 from adaloss.report import Coverage, LayerReport, warn_coverage, weight_of
+from torch_bridge import regions
 from torch_bridge._xp import xp
 from torch_bridge.fused import BACKENDS, FusedMath, FusionSchedule
 from torch_bridge.graph import ScalePlan, parameter_names
@@ -140,6 +141,12 @@ class AdaLossScaler:
         ``None`` (default): on when ``torch.distributed`` is initialized with more than one
         rank, and always for a ``fully_shard`` (FSDP2) model (:mod:`torch_bridge.sharded`).
         Exact for power-of-two scales (the default), as unscaling after the backward.
+      init_scale, growth_factor, backoff_factor, growth_interval: ``torch.amp.GradScaler``'s,
+        for the scales adaloss keeps GradScaler's way (:mod:`torch_bridge.regions`): the one
+        scale of a backward that cannot carry per-layer scales (``torch.autograd.grad`` on a
+        scaled loss, ``create_graph=True``: a gradient penalty), which :meth:`get_scale` returns
+        from then on, and each opaque region's. Per-layer backwards decide their own scales
+        (``config.init_scale`` multiplies their loss).
       warn_after_skips: after this many skipped steps in a row (iterations whose gradients held
         an inf or NaN), warn once per such run with the cause (:mod:`adaloss.skips`:
         a non-finite loss, or the first layer whose backward made the inf/NaN, by name), read
@@ -156,7 +163,10 @@ class AdaLossScaler:
                  enabled: bool = True, capture: bool = False, host_math: bool = True,
                  unscale_in_backward: bool | None = None,
                  fuse_decisions: bool | str | FusedMath = "auto",
-                 warn_after_skips: int | None = skips.WARN_AFTER) -> None:
+                 warn_after_skips: int | None = skips.WARN_AFTER,
+                 init_scale: float = regions.INIT_SCALE, growth_factor: float = regions.GROWTH_FACTOR,
+                 backoff_factor: float = regions.BACKOFF_FACTOR,
+                 growth_interval: int = regions.GROWTH_INTERVAL) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"AdaLossScaler needs the nn.Module being trained, got {type(model).__name__}")
         if next(model.parameters(), None) is None:
@@ -209,7 +219,8 @@ class AdaLossScaler:
         self._plans: OrderedDict[Any, Any] = OrderedDict()  # graph structure -> plan
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
         self._coverage: Coverage | None = None
-        self._regions = RegionScales()
+        self._regions = RegionScales(regions.Growth(float(init_scale), float(growth_factor),
+                                                    float(backoff_factor), growth_interval))
         # back-off exponent h and its count of finite steps (int32, on the loss's device)
         self._backoff: tuple[torch.Tensor, torch.Tensor] | None = None
         self._backoff_loaded = (0, 0)
@@ -373,8 +384,16 @@ class AdaLossScaler:
         return int(self._backoff[0]) if self._backoff is not None else self._backoff_loaded[0]
 
     def get_scale(self) -> float:
-        """The global scale ``G = config.init_scale · 2^-h`` (a Python float; reads the device),
-        or ``1.0`` when disabled; every gradient not yet unscaled is brought to carry ``G``.
+        """The global scale ``G`` (a Python float; reads the device), or ``1.0`` when disabled;
+        every gradient not yet unscaled is brought to carry ``G``.
+
+        ``G`` is the scale of the backwards that cannot carry per-layer scales
+        (``torch.autograd.grad(scaler.scale(loss), params, create_graph=True)``, a gradient
+        penalty's first backward): GradScaler's dynamic scale, from ``init_scale`` (2^16),
+        multiplied by ``backoff_factor`` after a skipped step and by ``growth_factor`` after
+        ``growth_interval`` finite ones. Before the first such backward, and on a scaler that
+        never runs one, ``G = config.init_scale · 2^-h`` (1 by default): the per-layer decisions
+        need no global scale, and gradients brought to carry 1 are unscaled already.
 
         GradScaler's recipes treat the gradients as all scaled by ``get_scale()``: clipping
         them before ``unscale_`` at ``max_norm * scaler.get_scale()``, or dividing the gradients
@@ -392,9 +411,41 @@ class AdaLossScaler:
         ``adaloss.solver.MAX_BACKOFF``; ``skipped_steps`` counts them all)."""
         if not self._enabled:
             return 1.0
-        scale = self._config.init_scale * 2.0 ** -self.backoff
+        if regions.GLOBAL in self._regions:
+            scale = float(self._regions.get(regions.GLOBAL, next(self._bound().parameters()).device))
+        else:
+            scale = self._config.init_scale * 2.0 ** -self.backoff
         self._carry(scale)
         return scale
+
+    def get_growth_factor(self) -> float:
+        """``growth_factor``: what a GradScaler-kept scale (:meth:`get_scale` after a global
+        backward, an opaque region's) is multiplied by after ``growth_interval`` finite steps."""
+        return self._regions.growth.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._regions.growth = self._regions.growth._replace(growth_factor=float(new_factor)).checked()
+
+    def get_backoff_factor(self) -> float:
+        """``backoff_factor``: what a GradScaler-kept scale is multiplied by after a skipped step."""
+        return self._regions.growth.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._regions.growth = self._regions.growth._replace(backoff_factor=float(new_factor)).checked()
+
+    def get_growth_interval(self) -> int:
+        """``growth_interval``: finite steps in a row before a GradScaler-kept scale grows."""
+        return self._regions.growth.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._regions.growth = self._regions.growth._replace(growth_interval=new_interval).checked()
+
+    def get_init_scale(self) -> float:
+        """``init_scale``: where a GradScaler-kept scale starts (2^16)."""
+        return self._regions.growth.init_scale
+
+    def set_init_scale(self, new_scale: float) -> None:
+        self._regions.growth = self._regions.growth._replace(init_scale=float(new_scale)).checked()
 
     def _carry(self, scale: float) -> None:
         """Bring the gradients the backwards since the last ``update()`` scaled, not unscaled
@@ -669,7 +720,7 @@ class AdaLossScaler:
         return {"config": dataclasses.asdict(self._config), "iteration": self._iteration,
                 "skipped_steps": self._skips.steps, "parameters": self._parameter_names(),
                 "model_scales": {k: v.detach().clone() for k, v in self._model_scales.items()},
-                "region_scales": self._regions.state_dict(),
+                "region_scales": self._regions.state_dict(), "growth": self._regions.growth._asdict(),
                 "backoff": (self.backoff, int(self._backoff[1]) if self._backoff is not None
                             else self._backoff_loaded[1]),
                 "lift": {k: int(v) for k, v in self._lift.items()},
@@ -717,6 +768,8 @@ class AdaLossScaler:
         self._skips.load_state_dict(int(state_dict["skipped_steps"]), state_dict.get("skips", {}))
         self._model_scales = {k: v.clone() for k, v in state_dict["model_scales"].items() if keep(k)}
         self._regions.load_state_dict(state_dict.get("region_scales", {}))
+        if "growth" in state_dict:
+            self._regions.growth = regions.Growth(**state_dict["growth"]).checked()
         self._backoff_loaded = tuple(int(v) for v in state_dict.get("backoff", (0, 0)))  # type: ignore[assignment]
         self._backoff = None
         self._lift = {k: torch.tensor(int(v), dtype=torch.int32)
@@ -788,8 +841,9 @@ _FP16_GRADS = ("Attempting to unscale FP16 gradients. Each gradient carries its 
 _GLOBAL_BACKWARD = (
     "AdaLossScaler: a scaled backward ran as {how} (a gradient penalty's recipe), which cannot carry "
     "per-layer scales (autograd would record the decisions, which are not differentiable): it uses "
-    "one global scale, scaler.get_scale(), which its gradients carry (as with GradScaler, divide them "
-    "by it). The other backwards keep per-layer scales. (Said once per scaler.)")
+    "one global scale, scaler.get_scale(), kept as GradScaler keeps its scale (from init_scale, 2^16), "
+    "which its gradients carry (as with GradScaler, divide them by it). The other backwards keep "
+    "per-layer scales. (Said once per scaler.)")
 
 #: token -> model, for the copies of a scaler (pickled or deep-copied) to find the model it was
 #: built on in this process (a scaler refers to its model, it does not carry a copy)

@@ -434,6 +434,7 @@ def rules(docs: Path) -> str:
                      ("a scalar factor: the scale lowered where the product would overflow",
                       graph._SCALAR_OPERAND),
                      ("an opaque region: one scale in, its dynamic scale out", graph._REGIONS),
+                     ("a fused RNN: one layer decision for every time step's matmuls", graph.FUSED_RNN),
                      ("a normalization (fp8: the next cast fits its own tensor)", graph._NORMS),
                      ("an indexed read (an embedding): how a weight is found", graph._LOOKUP)):
         rows.append(f"| PyTorch | {names(xs)} | {what} | `torch_bridge/graph.py` |")
@@ -459,7 +460,21 @@ def failures_line(docs: Path) -> str:
     return failure_tables.line(docs)
 
 
+def coverage(docs: Path) -> str:
+    """The coverage table: what adaloss does with every layer type (``docs/coverage.json``)."""
+    from adaloss_zoo import coverage as cov
+    return cov.page(_json(docs, "coverage.json"))
+
+
+def coverage_line(docs: Path) -> str:
+    """One sentence: how many layer types are probed, by status (``docs/coverage.json``)."""
+    from adaloss_zoo import coverage as cov
+    return cov.line(_json(docs, "coverage.json"))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
+    "coverage": coverage,
+    "coverage-line": coverage_line,
     "readme-results": readme_results,
     "failures": failures,
     "failures-summary": failures_summary,
