@@ -694,6 +694,7 @@ def _penalty_step(model, scaler, opt, x, y, factor):
     divided by ``get_scale()``, the penalty's norm added, the sum's scaled backward, then
     ``unscale_``. Returns (the first backward's gradients, the final ones), each over ``factor``."""
     params = list(model.parameters())
+    opt.zero_grad()  # the loop's first line: no gradient left from before
     loss = _loss(model, x, y, factor) if scaler is not None else factor * xent(model(x), y)
     if scaler is None:
         grads = torch.autograd.grad(loss, params, create_graph=True)
@@ -703,7 +704,6 @@ def _penalty_step(model, scaler, opt, x, y, factor):
     with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
         loss = loss + torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
     first = [g.detach().clone() / factor for g in grads]
-    opt.zero_grad()
     if scaler is None:
         loss.backward()
         return first, [p.grad.clone() / factor for p in params]
@@ -724,8 +724,9 @@ def _worst_error(got, ref):
 @pytest.mark.parametrize("factor", [1.0, 1e-6])
 def test_gradient_penalty_recipe_is_within_fp16_noise_of_gradscaler(factor):
     """The penalty's first backward (one global scale: GradScaler's, from 2^16) and the penalized
-    loss's backward, at the first step and two steps on (learning rate 0: the same weights, the
-    scalers' state moving), against fp32 and as close as ``torch.amp.GradScaler`` gets."""
+    loss's backward (through the first one's recorded graph: the same global scale), at the first
+    step and two steps on (learning rate 0: the same weights, the scalers' state moving), against
+    fp32 and as close as ``torch.amp.GradScaler`` gets."""
     torch.manual_seed(0)
     model = MLP()
     x, y = _batch()

@@ -146,6 +146,9 @@ def _hidden_hook(me: weakref.ref[ScaledBackward], k: int, grad: torch.Tensor) ->
     return None if sb is None else sb.hidden_grad(k, grad)
 
 
+#: autograd graph task id -> the scaled backward whose root started it (while it runs)
+_RUNNING: dict[int, weakref.ref[ScaledBackward]] = {}
+
 COMPILED_AUTOGRAD = (
     "AdaLossScaler does not support compiled autograd (torch._dynamo.config.compiled_autograd, "
     "torch._dynamo.compiled_autograd._enable): it captures the backward's hooks before running "
@@ -161,6 +164,13 @@ def compiled_autograd() -> bool:
     importing torch._dynamo)."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
+#: the reason a backward through a recorded backward (a gradient penalty's
+#: ``scaler.scale(loss + penalty).backward()``) has one global scale: its cotangents meet values
+#: the recorded backward computed at the global scale (the gradients themselves), and a product
+#: with them would leave the range the per-layer decisions keep
+THROUGH_RECORDED = "a backward through a create_graph backward"
 
 
 def global_backward(plan: ScalePlan) -> str | None:
@@ -272,6 +282,10 @@ class ScaledBackward:
         self.handles: list[Any] = []
         self.leaf_handles: list[Any] = []
         self.active = False
+        self._task = -1  # the autograd graph task its current pass runs in
+        # set by the scaler where the graph runs through a recorded (create_graph) backward: then
+        # the whole pass has one global scale (THROUGH_RECORDED)
+        self.through_recorded: str | None = None
         self._reset()
         # Hooks live on autograd's C++ nodes, which Python's GC cannot see through: they
         # hold only a weak reference to this object and a node index, so that the graph
@@ -349,6 +363,15 @@ class ScaledBackward:
     def pre(self, i: int, grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
         go = list(grad_outputs)
         if i == 0:
+            task = torch._C._current_graph_task_id()
+            owner = _RUNNING.get(task)
+            if owner is not None and owner() not in (None, self):
+                # this root reached inside another scaled backward: a gradient penalty's
+                # ``scaler.scale(loss + penalty).backward()`` runs through ``loss``'s graph, whose
+                # first (global) backward hooked it; that backward's plan decides here
+                return None
+            _RUNNING[task] = weakref.ref(self)
+            self._task = task
             self._begin(go)
         elif not self.active:
             return None  # a backward of another graph through a shared node
@@ -400,7 +423,7 @@ class ScaledBackward:
         return tuple(gi)
 
     def _begin(self, go: list[Any]) -> None:
-        self.global_reason = global_backward(self.plan)
+        self.global_reason = self.through_recorded or global_backward(self.plan)
         self._reset()
         self._hook_leaves()
         self.active = True
@@ -419,6 +442,7 @@ class ScaledBackward:
 
     def _finish(self) -> None:
         self.active = False
+        _RUNNING.pop(self._task, None)
         self._unhook_leaves()
         self._unhook_hidden()
         for i, p in enumerate(self.plan.order):

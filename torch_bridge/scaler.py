@@ -47,6 +47,7 @@ from torch_bridge.fused import BACKENDS, FusedMath, FusionSchedule
 from torch_bridge.graph import ScalePlan, parameter_names
 from torch_bridge.hooks import (
     COMPILED_AUTOGRAD,
+    THROUGH_RECORDED,
     BackwardRecord,
     ScaledBackward,
     compiled_autograd,
@@ -229,6 +230,8 @@ class AdaLossScaler:
         self._lift: dict[str, torch.Tensor] = {}
         self._ratio: dict[str, torch.Tensor] = {}
         self._warned_global = False
+        # the scaled backwards prepared since update() (weak: the loss owns each)
+        self._passes: list[weakref.ref[ScaledBackward]] = []
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -326,6 +329,11 @@ class AdaLossScaler:
                             host_math=self.host_math, hidden=hidden, region_scale=self._regions.get,
                             every_leaf=self._at_leaf, fused=self._schedule.next(), loss=outputs.detach(),
                             **self.levels(outputs.device))
+        recorded = {id(p.plan.root) for p in (ref() for ref in self._passes)
+                    if p is not None and p.global_reason == "create_graph"}
+        if recorded and any(id(n) in recorded for n in plan.nodes):
+            sb.through_recorded = THROUGH_RECORDED  # a gradient penalty's second backward
+        self._passes.append(weakref.ref(sb))
         # the loss tensor owns the hooks' state: it lives exactly as long as the graph is usable
         outputs._adaloss_backward = sb
         root.metadata["adaloss"] = weakref.ref(sb)
@@ -616,6 +624,7 @@ class AdaLossScaler:
             raise RuntimeError("No inf checks were recorded prior to update(): call step() "
                                "(or unscale_()) first.")
         self._iteration += 1
+        self._passes.clear()
         found_inf = [f for s in self._per_optimizer.values() for f in s["found_inf"].values()]
         if self._regions:
             self._regions.update(found_inf)
@@ -679,7 +688,7 @@ class AdaLossScaler:
         state.update(
             _model=None, _model_names=self._parameter_names(),
             _pending={names[k]: scale for k, (_, scale) in self._pending.items() if k in names},
-            _last=None, _plans=OrderedDict(), _ones={})
+            _last=None, _plans=OrderedDict(), _ones={}, _passes=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
