@@ -119,9 +119,15 @@ def layer(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
         go[0] = bw.rescale(g, dec.d.scale)
     else:
         go[0], dec = got
-    d = dec.d
     if dec.fraction is not None:
         bw.now.feedback.hear(behind, dec.fraction)
+    keep(bw, p, dec, incoming)
+
+
+def keep(bw: ScaledBackward, p: NodePlan, dec: decisions.LayerDecision, incoming: Any) -> None:
+    """A layer decision into the pass's state: who decided the scale it sends, the feedback's
+    bookkeeping, its statistical scale and spread, its outgoing scale and its report."""
+    d = dec.d
     bw.now.deciders[p.send] = frozenset({p.name})
     bw.now.feedback.decided(p.name, dec.limited)
     bw.now.model_scales[p.name], bw.now.spreads[p.name] = d.model_scale, d.sigma
@@ -301,13 +307,7 @@ def fused_rnn(bw: ScaledBackward, p: NodePlan, go: list[Any]) -> None:
                      root_rows, incoming, bw.bo, None, None, None, None, limited)
     for k in present:
         go[k] = bw.rescale(go[k], dec.d.scale)
-    d = dec.d
-    bw.now.deciders[p.send] = frozenset({p.name})
-    bw.now.feedback.decided(p.name, dec.limited)
-    bw.now.model_scales[p.name], bw.now.spreads[p.name] = d.model_scale, d.sigma
-    bw.now.values[p.send] = dec.outgoing
-    bw.now.decisions[p.name] = Decision("layer", d, d.sigma, incoming, dec.outgoing, dec.absmax, p.fan_in,
-                                       False if dec.held is None else dec.held)
+    keep(bw, p, dec, incoming)
 
 
 def rnn_weights(node: Any) -> list[torch.Tensor]:
