@@ -365,10 +365,12 @@ class ScaledBackward:
         if i == 0:
             task = torch._C._current_graph_task_id()
             owner = _RUNNING.get(task)
-            if owner is not None and owner() not in (None, self):
-                # this root reached inside another scaled backward: a gradient penalty's
-                # ``scaler.scale(loss + penalty).backward()`` runs through ``loss``'s graph, whose
-                # first (global) backward hooked it; that backward's plan decides here
+            running = None if owner is None else owner()
+            root = self.plan.nodes[0]
+            if running not in (None, self) and any(n is root for n in running.plan.nodes):
+                # this root reached inside another scaled backward whose plan holds it: a
+                # gradient penalty's ``scaler.scale(loss + penalty).backward()`` runs through
+                # ``loss``'s graph, whose first (global) backward hooked it; that plan decides here
                 return None
             _RUNNING[task] = weakref.ref(self)
             self._task = task
