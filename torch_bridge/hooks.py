@@ -242,7 +242,7 @@ class ScaledBackward:
     ``hidden`` parameters are used inside opaque regions (reentrant checkpoints): a
     nested backward reaches them, not the plan; their gradients carry the scale the
     region decided (tensor hooks, registered only while the plan has regions), at least
-    ``region_scale(name, device)`` (:mod:`torch_bridge.regions`).
+    ``region_scale(name, device)`` (``torch_bridge.regions``).
     ``model_scales`` (layer name -> cached statistical scale) and ``spreads`` (its σ,
     or a cast's log-statistics) are used instead of fresh statistics when
     ``recompute`` is False (``update_every``); then only min/max are computed.

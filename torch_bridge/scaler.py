@@ -143,7 +143,7 @@ class AdaLossScaler:
         rank, and always for a ``fully_shard`` (FSDP2) model (:mod:`torch_bridge.sharded`).
         Exact for power-of-two scales (the default), as unscaling after the backward.
       init_scale, growth_factor, backoff_factor, growth_interval: ``torch.amp.GradScaler``'s,
-        for the scales adaloss keeps GradScaler's way (:mod:`torch_bridge.regions`): the one
+        for the scales adaloss keeps GradScaler's way (``torch_bridge.regions``): the one
         scale of a backward that cannot carry per-layer scales (``torch.autograd.grad`` on a
         scaled loss, ``create_graph=True``: a gradient penalty), which :meth:`get_scale` returns
         from then on, and each opaque region's. Per-layer backwards decide their own scales
