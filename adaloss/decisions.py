@@ -215,17 +215,31 @@ def merge_of_extremes(config: AdaLossConfig, limit: float, backed_off: bool, xp:
 
 def signals(config: AdaLossConfig, weights: tuple[str, ...], xp: Any,
             fractions: Sequence[Sequence[Any]], limited: Sequence[Any],
-            ratios: Sequence[tuple[str, Any]] = ()) -> list[Any]:
+            ratios: Sequence[tuple[str, Any]] = (),
+            branches: Sequence[tuple[str, Any, Any]] = ()) -> list[Any]:
     """Per decision (``weights[i]`` its weight), :func:`adaloss.solver.underflow_ratio` of its
     ``fractions`` held by its ``limited`` flag, then ``ratios`` (``(weight, ratio)`` pairs
-    measured elsewhere: an opaque region's); a weight's combined
-    (:func:`adaloss.solver.combine_signals`): one value per distinct weight, in first-seen order."""
+    measured elsewhere: an opaque region's), then ``branches`` (``(weight, ratio, ran)``: a
+    conditional's, where ``ran`` says whether the branch taken holds decisions of that weight);
+    a weight's combined (:func:`adaloss.solver.combine_signals`) over those that ran, and
+    :func:`adaloss.solver.held_signal` for a weight none of whose decisions ran: one value per
+    distinct weight, in first-seen order."""
     out: dict[str, Any] = {}
     pairs = [(w, solver.underflow_ratio(fracs, lim, config, xp))
              for w, fracs, lim in zip(weights, fractions, limited)]
     for w, r in [*pairs, *ratios]:
         out[w] = r if w not in out else solver.combine_signals(config, out[w], r, xp)
-    return list(out.values())
+    ran: dict[str, Any] = dict.fromkeys(out, True)
+    for w, r, now in branches:
+        if w not in out:
+            out[w], ran[w] = r, now
+            continue
+        both = solver.combine_signals(config, out[w], r, xp)
+        out[w] = xp.where(now, both if ran[w] is True else xp.where(ran[w], both, r), out[w])
+        ran[w] = True if ran[w] is True else xp.logical_or(ran[w], now)
+    held = solver.held_signal(config)
+    return [r if ran[w] is True else xp.where(ran[w], r, xp.asarray(held, dtype=xp.float32))
+            for w, r in out.items()]
 
 
 def levels(config: AdaLossConfig, xp: Any, h: Any, good: Any, lifts: Sequence[Any], ratios: Sequence[Any],

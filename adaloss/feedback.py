@@ -24,6 +24,9 @@ class Feedback:
         self.fractions: dict[str, list[Any]] = defaultdict(list)
         self.limited: dict[str, Any] = {}
         self.ratios: list[tuple[str, Any]] = []
+        # (weight, ratio, ran): a conditional's, where ``ran`` says whether the branch taken
+        # holds decisions of that weight
+        self.branches: list[tuple[str, Any, Any]] = []
 
     def decided(self, name: str, limited: Any) -> None:
         """Layer decision ``name`` was made; ``limited``: a cap or bound set its scale."""
@@ -54,5 +57,6 @@ class Feedback:
 
     def weights(self, weight_of: Callable[[str], str]) -> list[str]:
         """The weights :func:`adaloss.decisions.signals` returns a value for, in its order."""
-        seen = [weight_of(n) for n in self.fractions] + [w for w, _ in self.ratios]
+        seen = [weight_of(n) for n in self.fractions] + [w for w, _ in self.ratios] \
+            + [w for w, _, _ in self.branches]
         return list(dict.fromkeys(seen))

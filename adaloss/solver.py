@@ -605,6 +605,13 @@ LIFT_AIM = 0.5
 LIFT_BAND = 16.0
 
 
+def held_signal(config: AdaLossConfig) -> float:
+    """The underflow signal at which :func:`lift_update` keeps ``k``: what a weight none of whose
+    decisions ran (its layers in a conditional's branch not taken) reports. Inside the band for
+    16-bit formats (between ``LIFT_AIM / LIFT_BAND`` and ``LIFT_AIM``), zero for fp8 ones."""
+    return 0.0 if config.fp8 else LIFT_AIM / math.sqrt(LIFT_BAND)
+
+
 def lift_factor(k: Array, xp: Any) -> Array:
     """``2^k`` in fp32, exactly, for the lift exponent ``k`` (int32, ``|k| ≤ MAX_LIFT``; ``k < 0``
     with fp8 formats only)."""

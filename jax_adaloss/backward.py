@@ -330,7 +330,8 @@ class _Sweep:
         """Per weight: :func:`adaloss.solver.underflow_ratio` of its layer decisions (the
         largest over a weight's uses), for the lift of :func:`jax_adaloss.adaloss`."""
         weights, fractions, limited, ratios = self.feedback.signal_arguments(weight_of)
-        values = decisions.signals(self.config, weights, jnp, fractions, limited, ratios)
+        values = decisions.signals(self.config, weights, jnp, fractions, limited, ratios,
+                                   self.feedback.branches)
         return _materialized(dict(zip(self.feedback.weights(weight_of), values)))
 
     def report(self) -> BackwardReport:

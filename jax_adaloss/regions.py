@@ -1,7 +1,9 @@
 """The sweep's rules at regions (:data:`REGIONS`): a ``scan`` with layers inside, swept per
 iteration by a reverse ``scan`` that re-runs the body (:class:`~jax_adaloss.trace.ScanRegion`),
-and a ``jax.checkpoint`` region, re-run in the backward and swept like inline code, on the
-sweep's state (:class:`jax_adaloss.backward._Sweep`)."""
+a ``jax.checkpoint`` region, re-run in the backward and swept like inline code, and a ``cond``
+(``lax.cond``/``lax.switch``) with layers in its branches, swept by a ``cond`` on the same index
+whose branches re-run theirs (:class:`~jax_adaloss.trace.CondRegion`), on the sweep's state
+(:class:`jax_adaloss.backward._Sweep`)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaloss import solver
+from adaloss.report import LayerReport
 from jax_adaloss.cotangents import _ct_dtype, _or_zero
 from jax_adaloss.scaled_grad import rescale as _rescale
-from jax_adaloss.trace import CONST, Node, Tape, body_slots, chains
+from jax_adaloss.trace import CONST, Node, Tape, body_slots, branch_slots, chains
 
 if TYPE_CHECKING:
     from jax_adaloss.backward import _Sweep as Sweep
@@ -118,6 +121,86 @@ def remat(sw: Sweep, node: Node, got: list[tuple[Any, Any] | None]) -> None:
         if res is not None:
             sw.cts[i].append(res)
 
+def cond(sw: Sweep, node: Node, got: list[tuple[Any, Any] | None]) -> None:
+    """The backward of a cond region: a ``cond`` on the region's index whose branch ``k`` re-runs
+    branch ``k``'s forward (rematerialised, as a scan's body) and sweeps it from the cotangents
+    the region's outputs carry, with their scales; the branch taken decides its layers' scales
+    and the scales its cotangents leave with, on device. Every branch returns the same
+    structure: per differentiated operand a cotangent and its scale (zeros, with the first
+    incoming scale, where the branch does not use it), the union of the branches' layer
+    reports (:func:`idle_report` for a layer of a branch not taken) and, per weight, its
+    underflow signal and whether the branch taken has decisions of it."""
+    r = node.region
+    assert r is not None
+    if sw.capture:
+        raise ValueError("capture_cotangents=True is not supported with layers inside a lax.cond/"
+                         "lax.switch branch; call the branches' layers outside the conditional to "
+                         "measure them")
+    index = sw.tape.values[node.ins[0]]
+    present = [j for j, g in enumerate(got) if g is not None]
+    seeds = [got[j][0] for j in present]
+    scales = [got[j][1] for j in present]
+    fitted = [sw.book.is_fitted(s) for s in scales]
+    xs = [i for i, n in enumerate(r.needs) if n]
+
+    def branch(k: int) -> Callable[[list[Any], list[Any]], Any]:
+        def back(ops: list[Any], cts: list[Any]) -> Any:
+            sub = Tape(sw.config, regions=True, remat=False)  # the branch is re-run already
+            slots = branch_slots(sub, r, k, ops)
+            ins, outs = slots[:len(ops)], slots[len(ops):]
+            sweep = type(sw)(sub, sw.config, backoff=sw.backoff, lift=sw.lift, reporting=sw.reporting)
+            sweep.run([(outs[j], ct, s) for j, ct, s in zip(present, cts, scales)], fitted)
+            sw.unlifted.extend(sweep.unlifted)
+            return [sweep.take(ins[i]) for i in xs], sweep.layers, sweep.underflow_signals()
+        return back
+
+    backs = [branch(k) for k in range(len(r.branches))]
+    shapes = [jax.eval_shape(b, r.inputs, seeds) for b in backs]
+    dtypes = [jnp.result_type(*[sh[0][n][0].dtype for sh in shapes if sh[0][n] is not None]
+                              or [_ct_dtype(r.inputs[i], r.origins[i])]) for n, i in enumerate(xs)]
+    layers: dict[str, tuple[int, Any]] = {}  # name -> (a branch that has it, its report's shapes)
+    for k, sh in enumerate(shapes):
+        for name, rep in sh[1].items():
+            layers.setdefault(name, (k, rep))
+    weights = list(dict.fromkeys(w for sh in shapes for w in sh[2]))
+
+    def padded(k: int) -> Callable[[list[Any], list[Any]], Any]:
+        def back(ops: list[Any], cts: list[Any]) -> Any:
+            grads, reps, signals = backs[k](ops, cts)
+            grads = [(jnp.zeros(np.shape(r.inputs[i]), d), jnp.asarray(scales[0], _F32)) if g is None
+                     else (g[0].astype(d), jnp.asarray(g[1], _F32)) for g, i, d in zip(grads, xs, dtypes)]
+            reps = {name: reps[name] if name in reps else
+                    idle_report(rep, scales[0], r.fan_ins[b].get(name, 1))
+                    for name, (b, rep) in layers.items()}
+            ran = {w: (signals[w], jnp.bool_(True)) if w in signals else
+                   (jnp.zeros((), _F32), jnp.bool_(False)) for w in weights}
+            return grads, reps, ran
+        return back
+
+    grads, reps, ran = jax.lax.switch(index, [padded(k) for k in range(len(r.branches))],
+                                      list(r.inputs), seeds)
+    for i, g in zip(xs, grads):
+        sw.cts[node.ins[1 + i]].append(g)
+    for name, rep in reps.items():  # a weight's name, a cast's or constant's within the branch
+        key = f"{node.name}/{name}" if name.startswith(("cast:", "const:")) else name
+        sw.layers[key if key not in sw.layers else f"{key}@{node.name}"] = rep
+    for w, (ratio, now) in ran.items():
+        sw.feedback.branches.append((w, ratio, now))
+
+
+def idle_report(shape: LayerReport, incoming: Any, fan_in: int) -> LayerReport:
+    """The report of a layer whose decision did not run (its branch was not taken), shaped as
+    ``shape`` (its report's shapes): scale 1 (incoming and outgoing scale the region's first
+    incoming one), its fan-in, zero statistics and underflow, nothing held."""
+    def full(s: Any, value: Any) -> Any:
+        return jnp.broadcast_to(jnp.asarray(value, s.dtype), s.shape)
+
+    rep = jax.tree.map(lambda s: full(s, 0), shape)
+    one = {f: full(getattr(shape, f), 1) for f in ("scale", "model_scale", "unrounded_scale")}
+    carried = {f: full(getattr(shape, f), incoming) for f in ("incoming_scale", "outgoing_scale")}
+    return rep._replace(**one, **carried, fan_in=full(shape.fan_in, fan_in))
+
+
 def one_scale(sw: Sweep, ct: Any, scales: Any) -> tuple[Any, Any]:
     """Per-iteration cotangents of a stacked input (``ct[l]`` carries ``scales[l]``) at one
     scale: the merge of the slices."""
@@ -135,4 +218,5 @@ def one_scale(sw: Sweep, ct: Any, scales: Any) -> tuple[Any, Any]:
     return _rescale(ct, factor), target
 
 #: per region node's kind, the sweep's rule (each output keeps its scale)
-REGIONS: dict[str, Callable[[Any, Node, list[tuple[Any, Any] | None]], None]] = {"scan": scan, "remat": remat}
+REGIONS: dict[str, Callable[[Any, Node, list[tuple[Any, Any] | None]], None]] = {
+    "scan": scan, "remat": remat, "cond": cond}

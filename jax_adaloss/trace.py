@@ -98,7 +98,7 @@ class Node:
     widenable: bool = False  # the equation can be re-bound on fp32 inputs
     # elementwise math on 16-bit values (_ELEMENTWISE): its backward in fp32 too, where needed
     elementwise: bool = False
-    region: ScanRegion | None = None  # kind "scan": what its backward re-runs
+    region: ScanRegion | CondRegion | None = None  # kinds "scan", "remat", "cond": what its backward re-runs
     axes: tuple[Any, ...] = ()  # a collective's named axes (its transpose moves cotangents across devices)
     # a mul/div by a scalar that may amplify a 16-bit cotangent: the bound |c| or 1/|c|
     factor: Any = None
@@ -128,6 +128,20 @@ class ScanRegion:
     needs: list[bool]  # of the operands
 
 
+@dataclasses.dataclass
+class CondRegion:
+    """A ``cond`` (``lax.cond``/``lax.switch``) whose branches hold layers: its backward is a
+    ``cond`` on the same index whose branches re-run their forward and sweep it, each with its
+    own decisions, from the scales the region's outputs carry."""
+
+    branches: tuple[jcore.ClosedJaxpr, ...]
+    inputs: list[Any]  # the operands after the index
+    origins: list[str | None]  # of the operands
+    needs: list[bool]  # of the operands
+    # per branch, its layers' fan-ins by name (a report for a branch not taken)
+    fan_ins: list[dict[str, int]] = dataclasses.field(default_factory=list)
+
+
 class Tape:
     """Forward pass that records a vjp per equation and each value's origin."""
 
@@ -138,6 +152,7 @@ class Tape:
         self.remat = regions and remat  # jax.checkpoint regions are re-run in the backward
         self.region_layers = 0  # layers found inside them
         self._scans = 0
+        self._conds = 0
         self.values: list[Any] = []
         self.origin: list[str | None] = []
         self.needs: list[bool] = []
@@ -205,8 +220,8 @@ class Tape:
                 else:
                     consts = []
                 outs = self.run(sub, consts, ins)
-            elif prim == "scan" and self.regions and _weighted_inside(eqn.params):
-                outs = self._scan(eqn, ins)
+            elif prim in REGION_FORWARD and self.regions and _weighted_inside(eqn.params):
+                outs = REGION_FORWARD[prim](self, eqn, ins)
             elif prim == "convert_element_type" and not eqn.params.get("weak_type"):
                 # one value cast twice to the same dtype (flax's LayerNorm does) is
                 # one cast: its consumers' cotangents then share one scale decision
@@ -384,12 +399,45 @@ class Tape:
             self.nodes.append(Node("remat", ins, outs, None, diff, region=region))
         return outs
 
+    def _cond(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+        """A ``cond`` whose branches hold layers: its outputs now (the branch the index picks); the
+        branches' forward again in the backward, in a ``cond`` on the same index."""
+        vals = [self.values[s] for s in ins]
+        index, ops = vals[0], vals[1:]
+        region = CondRegion(tuple(eqn.params["branches"]), ops, [self.origin[s] for s in ins[1:]],
+                            [self.needs[s] for s in ins[1:]])
+        if self.operands is not None:  # the branches' layers quantize as their backward's re-run does
+            def branch(k: int) -> Callable[..., list[Any]]:
+                def run(*xs: Any) -> list[Any]:
+                    sub = Tape(self.config, regions=True, remat=False)
+                    return [sub.values[s] for s in branch_slots(sub, region, k, xs)[len(xs):]]
+                return run
+            out_vals = jax.lax.switch(index, [branch(k) for k in range(len(region.branches))], *ops)
+        else:
+            out_vals = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+        origin = _combine([self.origin[s] for s in ins], [int(np.size(v)) for v in vals], "cond")
+        outs = [self.slot(v, origin, any(region.needs) and is_float(jnp.result_type(v))) for v in out_vals]
+        diff = tuple(1 + i for i, n in enumerate(region.needs) if n)
+        if diff:
+            for k in range(len(region.branches)):
+                sub = Tape(self.config, regions=True, remat=False)
+                branch_slots(sub, region, k, ops)
+                self._absorb(sub)
+                region.fan_ins.append({n.name: n.fan_in for n in sub.nodes if n.kind in ("layer", "first")})
+            self.nodes.append(Node("cond", ins, outs, None, diff, name=f"cond:{self._conds}", region=region))
+            self._conds += 1
+        return outs
+
     def _survey(self, r: ScanRegion) -> None:
         """Trace one iteration of the body (XLA drops it: nothing uses it) to count its layers
         and check its formats now, before the backward."""
         sub = Tape(self.config, regions=True, remat=False)
         body_slots(sub, r, r.inputs[r.num_consts:r.num_consts + r.num_carry],
                     [x[0] for x in r.inputs[r.num_consts + r.num_carry:]])
+        self._absorb(sub)
+
+    def _absorb(self, sub: Tape) -> None:
+        """Count a region's tape (traced to survey it) in this one's coverage."""
         self.weighted_ops += sub.weighted_ops
         self.data_path_ops += sub.data_path_ops
         self.opaque += sub.opaque
@@ -500,6 +548,14 @@ def body_slots(tape: Tape, r: ScanRegion, carry: Sequence[Any], x: Sequence[Any]
     slots += [tape.slot(v, r.origins[nc + nk + i], r.needs[nc + nk + i]) for i, v in enumerate(x)]
     consts = [tape.slot(c, CONST, False) for c in r.body.consts]
     return slots + tape.run(r.body.jaxpr, consts, slots)
+
+
+def branch_slots(tape: Tape, r: CondRegion, k: int, ops: Sequence[Any]) -> list[int]:
+    """Run branch ``k`` of a cond region on ``tape`` (``ops``: its operands' values); returns the
+    input slots followed by the output slots."""
+    slots = [tape.slot(v, o, n) for v, o, n in zip(ops, r.origins, r.needs)]
+    b = r.branches[k]
+    return slots + tape.run(b.jaxpr, [tape.slot(c, CONST, False) for c in b.consts], slots)
 
 
 def chains(tape: Tape) -> tuple[set[int], set[int]]:
@@ -652,6 +708,14 @@ def _fan_in(eqn: jcore.JaxprEqn, w: int, shape: tuple[int, ...]) -> int:
 CLASSIFY: dict[str, Callable[[Tape, Node, jcore.JaxprEqn, list[Any]], None]] = {
     **dict.fromkeys(_WEIGHTED, Tape._classify_layer),
     "convert_element_type": Tape._classify_cast,
+}
+
+
+#: per primitive with sub-jaxprs, the tape's forward for it where layers are inside: a region
+#: node whose backward is :data:`jax_adaloss.regions.REGIONS`'s rule (``jax.checkpoint``: remat)
+REGION_FORWARD: dict[str, Callable[[Tape, jcore.JaxprEqn, list[int]], list[int]]] = {
+    "scan": Tape._scan,
+    "cond": Tape._cond,
 }
 
 

@@ -1,5 +1,6 @@
-"""Nested jit, custom_jvp/custom_vjp, checkpoint, scan/cond (opaque blocks), Flax nnx, errors."""
+"""Nested jit, custom_jvp/custom_vjp, checkpoint, scan and switch regions, Flax nnx, errors."""
 
+import functools
 import re
 import warnings
 
@@ -12,6 +13,7 @@ from models import xent
 from test_gradients_match_fp32 import TOL, _rel_err
 
 import jax_adaloss
+from adaloss import decisions, solver
 from adaloss.report import AdaLossCoverageWarning
 
 F16, F32 = jnp.float16, jnp.float32
@@ -110,15 +112,49 @@ def test_scan_body_layers_get_a_scale_per_iteration():
     assert float(grads["b"].scale) >= float(report.layers["c"].outgoing_scale)
 
 
-def test_cond_is_one_opaque_block():
-    def body(q, x):
-        h = jnp.tanh(x @ q["a"])
-        h = jax.lax.cond(True, lambda h: jnp.tanh(h @ q["b"]), lambda h: h, h)
-        return h @ q["c"]
+def test_switch_branches_decide_their_layers_scales():
+    """Each lax.switch branch's layers get their own decisions (the backward is a cond on the same
+    traced index); a layer of a branch not taken reports an idle decision (scale 1, no data)."""
+    params = {**_p(), "d": jnp.asarray(np.random.default_rng(3).normal(0, 0.2, (32, 32)), F32)}
+    branches = [lambda q, h: jnp.tanh(h @ q["b"]), lambda q, h: h,
+                lambda q, h: jax.nn.gelu(h @ q["d"]) @ q["b"]]
 
-    with pytest.warns(AdaLossCoverageWarning, match="inside 1 cond"):
-        _, report = _compare(body)
-    assert "b" not in report.layers and report.coverage.opaque_regions == 1
+    def loss(p, i, dt):
+        q = jax.tree.map(lambda a: a.astype(dt), p)
+        h = jnp.tanh(X.astype(dt) @ q["a"])
+        h = jax.lax.switch(i, [functools.partial(b, q) for b in branches], h)
+        return 1e-6 * xent(h @ q["c"], Y)
+
+    ref = jax.jit(jax.grad(loss), static_argnums=2)
+    fn = jax.jit(jax_adaloss.grad(loss, return_report=True), static_argnums=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdaLossCoverageWarning)  # nothing opaque any more
+        runs = [(ref(params, i, F32), *fn(params, i, F16)) for i in range(3)]
+    used = [{"a", "b", "c"}, {"a", "c"}, {"a", "b", "c", "d"}]
+    for (r, grads, report), keys in zip(runs, used):
+        for k in params:
+            g = np.asarray(grads[k].unscale())
+            assert _rel_err(g, r[k]) < TOL if k in keys else not g.any(), k
+        assert {"b", "c", "d"} <= set(report.layers) and not any("cond" in k for k in report.layers)
+        cov = report.coverage
+        assert (int(cov.weighted_ops), int(cov.layers), int(cov.opaque_regions)) == (5, 4, 0)
+    b_taken, b_idle, b_again = (run[2].layers["b"] for run in runs)
+    assert all(float(b.grad_absmax) > 0 and float(b.sigma) > 0 for b in (b_taken, b_again))
+    assert (float(b_idle.scale), float(b_idle.grad_absmax), float(b_idle.sigma)) == (1, 0, 0)
+    assert int(b_idle.fan_in) == 32 and float(b_idle.outgoing_scale) == float(b_idle.incoming_scale)
+    d_idle, d_taken = runs[0][2].layers["d"], runs[2][2].layers["d"]
+    assert float(d_idle.grad_absmax) == 0 and float(d_taken.grad_absmax) > 0
+
+
+def test_branch_signals_count_only_where_the_branch_ran():
+    """A weight's underflow signal combines the branches taken; one with no decision run holds."""
+    cfg = jax_adaloss.AdaLossConfig()
+    a, b, c = decisions.signals(cfg, ("a",), np, [[np.float32(0.0)]], [None], (),
+                                [("a", 5.0, False), ("b", 5.0, False), ("b", 0.2, True),
+                                 ("c", 3.0, False)])
+    assert (float(a), float(b), float(c)) == (0.0, 0.2, solver.held_signal(cfg))
+    k = np.int32(2)
+    assert solver.lift_update(cfg, k, np.float32(solver.held_signal(cfg)), True, np) == k
 
 
 class NnxMLP(nnx.Module):

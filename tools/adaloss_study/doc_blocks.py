@@ -403,7 +403,7 @@ def rules(docs: Path) -> str:
     """The rule tables each front dispatches on, read from the code (``docs`` unused): JAX's per
     primitive and per decision kind (``jax_adaloss.trace``, ``jax_adaloss.layers``), torch's
     per autograd node name (``torch_bridge.graph``) and per node kind (``torch_bridge.layers``)."""
-    from jax_adaloss import layers, trace
+    from jax_adaloss import layers, regions, trace
 
     try:
         from torch_bridge import graph
@@ -429,6 +429,12 @@ def rules(docs: Path) -> str:
         return out
 
     rows += by_kind("JAX", layers.SWEEP, "jax_adaloss.layers")
+    kinds = {**{p: p for p in trace.REGION_FORWARD}, **dict.fromkeys(trace._REMAT, "remat")}
+    for kind, rule in regions.REGIONS.items():
+        start = trace.REGION_FORWARD.get(kind)
+        rows.append(f"| JAX | {names(p for p, k in kinds.items() if k == kind)} with layers inside | "
+                    f"{_summary(rule)} | {'' if start is None else f'`trace.Tape.{start.__name__}`; '}"
+                    f"`jax_adaloss.regions.{rule.__name__}` |")
     for what, xs in (("a layer: a matmul or convolution of a weight and data", [*graph._MATMUL, graph._CONV]),
                      ("a cast: the cotangent narrowed", [graph._CAST]),
                      ("a scalar factor: the scale lowered where the product would overflow",

@@ -350,6 +350,25 @@ def _jax_types() -> list[LayerType]:
             raise ValueError("the probes' attention is not causal")
         return nn.dot_product_attention(q, kk, v, **kw)
 
+    class Branches(nn.Module):
+        """A Dense layer in each branch of flax's lifted ``nn.cond`` (a ``lax.cond`` on data), as
+        flax's docs write it: both built in ``setup``, both run at init."""
+
+        dtype: Any
+
+        def setup(self) -> None:
+            self.first, self.second = nn.Dense(16, dtype=self.dtype), nn.Dense(16, dtype=self.dtype)
+
+        def __call__(self, x: Any) -> Any:
+            def first(m: Any, x: Any) -> Any:
+                return jnp.tanh(m.first(x))
+
+            def second(m: Any, x: Any) -> Any:
+                return m.second(x)
+            if self.is_mutable_collection("params"):
+                first(self, x), second(self, x)
+            return nn.cond(jnp.mean(x) > 0, first, second, self, x)
+
     return [
         LayerType("jax", "linen.Dense", lambda d: linen(nn.Dense(16, dtype=d), seq), fan_in=True),
         LayerType("jax", "linen.DenseGeneral", lambda d: linen(nn.DenseGeneral((2, 8), dtype=d), seq)),
@@ -360,6 +379,7 @@ def _jax_types() -> list[LayerType]:
         LayerType("jax", "linen.ConvTranspose(strides=2)",
                   lambda d: linen(nn.ConvTranspose(6, (3, 3), strides=(2, 2), dtype=d), img), fan_in=True),
         LayerType("jax", "linen.Embed", lambda d: linen(nn.Embed(20, 8, dtype=d), ids), weighted=False),
+        LayerType("jax", "linen.Dense in nn.cond branches", lambda d: linen(Branches(dtype=d), seq)),
         LayerType("jax", "linen.LSTMCell in nn.RNN", lambda d: rnn(nn.LSTMCell(16, dtype=d))),
         LayerType("jax", "linen.GRUCell in nn.RNN", lambda d: rnn(nn.GRUCell(16, dtype=d))),
         LayerType("jax", "linen.MultiHeadDotProductAttention",
@@ -411,7 +431,7 @@ def _jax_forward(spec: Any) -> tuple[Any, Callable[[Any, Any], Any], Callable[[A
     if kind == "nnx":
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         wide = nnx.clone(module)
-        for _, sub in wide.iter_modules():
+        for _, sub in nnx.iter_modules(wide):
             if getattr(sub, "dtype", None) is not None:
                 sub.dtype = f32
         wide_def = nnx.split(wide, nnx.Param, ...)[0]
