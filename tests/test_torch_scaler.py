@@ -689,6 +689,22 @@ def test_gradscaler_schedule_arguments_getters_and_state():
             AdaLossScaler(model, **bad)
 
 
+def test_a_gradscaler_state_dict_is_adopted_or_refused_by_name():
+    """A job switched from GradScaler: its scale and schedule start the global backward's scale."""
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    model = MLP()
+    scaler = AdaLossScaler(model)
+    with pytest.warns(UserWarning, match="GradScaler state: its scale 1024"):
+        assert scaler.load_state_dict(gs.state_dict()) == ([], [])
+    assert (scaler.get_init_scale(), scaler.get_growth_interval()) == (2.0**10, 7)
+    x, y = _batch()
+    with pytest.warns(UserWarning, match="one global scale"):
+        torch.autograd.grad(scaler.scale(_loss(model, x, y)), list(model.parameters()))
+    assert scaler.get_scale() == 2.0**10  # the global backward's scale starts from GradScaler's
+    with pytest.raises(ValueError, match="GradScaler.state_dict"):
+        scaler.load_state_dict({"scale": 2.0})
+
+
 def _penalty_step(model, scaler, opt, x, y, factor):
     """The AMP docs' gradient penalty: ``autograd.grad`` of the scaled loss (``create_graph``),
     divided by ``get_scale()``, the penalty's norm added, the sum's scaled backward, then

@@ -455,6 +455,27 @@ class AdaLossScaler:
     def set_init_scale(self, new_scale: float) -> None:
         self._regions.growth = self._regions.growth._replace(init_scale=float(new_scale)).checked()
 
+    def _adopt_gradscaler(self, state_dict: dict[str, Any]) -> IncompatibleLayers:
+        """Switch a running job from ``torch.amp.GradScaler``: its ``state_dict()``'s scale starts
+        the GradScaler-kept scales (:meth:`get_scale` after a global backward, opaque regions'),
+        with its schedule; its growth tracker is dropped; the per-layer decisions start fresh."""
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+        if any(k not in state_dict for k in keys):
+            raise ValueError(
+                "load_state_dict() takes AdaLossScaler.state_dict()'s output (it has a 'config' "
+                "entry) or torch.amp.GradScaler.state_dict()'s (entries "
+                f"{', '.join(keys)}); got entries {', '.join(map(repr, sorted(state_dict)))}")
+        growth = regions.Growth(float(state_dict["scale"]), float(state_dict["growth_factor"]),
+                                float(state_dict["backoff_factor"]), int(state_dict["growth_interval"]))
+        self._regions.growth = growth.checked()
+        self._regions.load_state_dict({})  # every kept scale starts again from it
+        warnings.warn(
+            f"load_state_dict(): a torch.amp.GradScaler state: its scale {growth.init_scale:g} starts "
+            "the scale of global backwards and opaque regions (init_scale), with its growth_factor, "
+            "backoff_factor and growth_interval; its growth tracker is dropped and the per-layer "
+            "decisions start fresh (they need no history)", stacklevel=2)
+        return IncompatibleLayers([], [])
+
     def _carry(self, scale: float) -> None:
         """Bring the gradients the backwards since the last ``update()`` scaled, not unscaled
         yet, to carry ``scale`` (nothing else: a gradient left from before is not touched)."""
@@ -747,12 +768,16 @@ class AdaLossScaler:
         renamed, raises ``RuntimeError`` naming the parameters missing from it and those it has
         that the model lacks; with ``strict=False`` the entries of parameters the model has are
         loaded, the others dropped (those layers start fresh), and the names are returned, as
-        ``nn.Module.load_state_dict`` does."""
+        ``nn.Module.load_state_dict`` does. A ``torch.amp.GradScaler.state_dict()`` (a job
+        switched from GradScaler) is adopted: its scale and schedule start the GradScaler-kept
+        scales, its growth tracker is dropped, and a warning says so."""
         if not self._enabled:
             return IncompatibleLayers([], [])
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a "
                                "disabled instance of AdaLossScaler.")
+        if "config" not in state_dict:
+            return self._adopt_gradscaler(state_dict)
         mine = dataclasses.asdict(self._config)
         # a field added since the checkpoint was written compares at its default
         saved = {**dataclasses.asdict(AdaLossConfig()), **state_dict["config"]}
