@@ -27,7 +27,9 @@ bytes: what those ops read and write (each op its tensor arguments and results o
 nothing; a compiled call its arguments and results), the machine-independent cost at widths
 where a step is bound by memory traffic;
 per layer: adaloss's ops beyond GradScaler's over the layers the scaler decides for. Time:
-the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step.
+the methods alternating ``--repeats`` rounds of ``--steps`` steps, the median ms/step; and a
+fresh scaler's first ``--run-steps`` (30) steps, each timed, the compile included: their mean
+beside their median (what a short run sees, and what a long one does).
 
 Not a test: ``tests/test_study_cli.py`` runs a tiny preset.
 """
@@ -36,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -108,11 +112,11 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = torch.float16,
-            device: str = "cpu") -> tuple[Callable[[], None], Any, list[float]]:
+            device: str = "cpu", run_steps: int = 30) -> tuple[Callable[[], None], Any, list[float]]:
     """One training step of ``method`` on a fresh copy of the model on ``device``, its scaler,
-    and the ms of each warm-up step (the scaler's plan, the optimizer's state, and for the
-    default the steps before and at which its decisions compile); the step returns once the
-    device has finished it."""
+    and the ms of each of its first steps, at least ``run_steps`` (the scaler's plan, the
+    optimizer's state, and for the default the steps before and at which its decisions
+    compile); the step returns once the device has finished it."""
     model = build(name).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     config = torch_bridge.AdaLossConfig(grad_format=str(dtype).removeprefix("torch."))
@@ -134,7 +138,7 @@ def stepper(name: str, method: str, batch: int, seq: int, dtype: torch.dtype = t
             torch.cuda.synchronize()
     fused = getattr(getattr(scaler, "_schedule", None), "fused", None)
     warmup = []
-    for _ in range(2 + (fused.steady_after if fused is not None else 0)):
+    for _ in range(max(run_steps, 2 + (fused.steady_after if fused is not None else 0))):
         t0 = time.perf_counter()
         step()
         warmup.append(1e3 * (time.perf_counter() - t0))
@@ -172,8 +176,8 @@ def count_ops(step: Callable[[], None], scaler: Any, steps: int = 3) -> tuple[Co
 
 
 def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: tuple[str, ...] = METHODS,
-            dtype: torch.dtype = torch.float16, device: str = "cpu") -> dict[str, Any]:
-    made = {m: stepper(name, m, batch, seq, dtype, device) for m in methods}
+            dtype: torch.dtype = torch.float16, device: str = "cpu", run_steps: int = 30) -> dict[str, Any]:
+    made = {m: stepper(name, m, batch, seq, dtype, device, run_steps) for m in methods}
     runs = {m: (step, scaler) for m, (step, scaler, _) in made.items()}
     counted = {m: count_ops(step, scaler) for m, (step, scaler) in runs.items()}
     ops = {m: c for m, (c, _, _) in counted.items()}
@@ -194,20 +198,26 @@ def measure(name: str, batch: int, seq: int, repeats: int, steps: int, methods: 
             "bytes": {m: b for m, (_, _, b) in counted.items()},
             "extra_ops_top": extra,
             "ms_per_step": rounds, "median_ms": {m: statistics.median(v) for m, v in rounds.items()},
-            "warmup_ms": {m: w for m, (_, _, w) in made.items()}}
+            "warmup_ms": {m: w for m, (_, _, w) in made.items()},
+            "run_steps": run_steps,
+            "run_mean_ms": {m: statistics.mean(w[:run_steps]) for m, (_, _, w) in made.items()},
+            "run_median_ms": {m: statistics.median(w[:run_steps]) for m, (_, _, w) in made.items()}}
 
 
 def table(payload: dict[str, Any]) -> str:
     """Per model and method: aten ops per step (and over GradScaler's, and beyond them per
     decision), compiled calls per step, the bytes moved, the median ms/step (and over
-    GradScaler's), and the slowest warm-up step (the default's: the one that compiles)."""
+    GradScaler's), the slowest warm-up step (the default's: the one that compiles), and over a
+    run's first steps from a fresh scaler (the compile included) the mean and the median step
+    over GradScaler's."""
     lines = ["| model | method | aten ops / step | ÷ GradScaler's | extra per decision "
              "| compiled calls / step | MB moved / step | ÷ GradScaler's | ms/step | ÷ GradScaler's "
-             "| slowest warm-up step, s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| slowest warm-up step, s | first steps: mean ÷ GradScaler's | median ÷ GradScaler's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         o, t, calls = r["ops"], r["median_ms"], r.get("compiled_calls", {})
         b, warm = r.get("bytes", {}), r.get("warmup_ms", {})
+        mean, median = r.get("run_mean_ms", {}), r.get("run_median_ms", {})
         for i, m in enumerate(o):
             per = "" if m == "GradScaler" else f"{(o[m] - o['GradScaler']) / r['decisions']:.0f}"
             size = f"{r['parameters'] / 1e6:.1f}M, {r['decisions']} decisions"
@@ -215,9 +225,11 @@ def table(payload: dict[str, Any]) -> str:
             mb = (f"{b[m] / 1e6:,.0f} | {b[m] / b['GradScaler']:.3f}" if m in b and "GradScaler" in b
                   else " | ")
             slowest = f"{max(warm[m]) / 1e3:.1f}" if m in warm else ""
+            run = (f"{mean[m] / mean['GradScaler']:.2f} | {median[m] / median['GradScaler']:.2f}"
+                   if m in mean and "GradScaler" in mean else " | ")
             lines.append(f"| {model} | {m} | {o[m]:.0f} | {o[m] / o['GradScaler']:.2f} | {per} "
                          f"| {calls.get(m, 0):.0f} | {mb} | {t[m]:.1f} | {t[m] / t['GradScaler']:.2f} "
-                         f"| {slowest} |")
+                         f"| {slowest} | {run} |")
     return "\n".join(lines)
 
 
@@ -230,22 +242,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--run-steps", type=int, default=30,
+                    help="a fresh scaler's first steps, timed one by one (compile included): "
+                         "their mean and median")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
                     help="the autocast dtype (and the gradient format)")
     ap.add_argument("--device", default="cpu", help="where the model runs (cuda: a GPU's kernels, timed)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="keep inductor's on-disk cache (default: a fresh one, so that the compile "
+                         "timed is a first run's)")
     ap.add_argument("--json", type=Path, default=Path("docs/torch_step.json"))
     args = ap.parse_args(argv)
+    if not args.warm_cache:  # read by inductor each time it looks for its cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torch_step_inductor_")
     if "GradScaler" not in args.methods:
         ap.error("--methods must include GradScaler (the baseline)")
     warnings.simplefilter("ignore")  # transformers' config notes
     dtype = getattr(torch, args.dtype)
     rows = [measure(m, args.batch, args.seq, args.repeats, args.steps, tuple(args.methods), dtype,
-                    args.device) for m in args.models]
+                    args.device, args.run_steps) for m in args.models]
     given = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "benchmarks/torch_step.py", *given])
     payload = {"command": command, "machine": machine("torch"), "device": args.device,
                "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "repeats": args.repeats,
-               "steps": args.steps, "rows": rows}
+               "steps": args.steps, "run_steps": args.run_steps, "rows": rows}
     args.json.write_text(json.dumps(payload, indent=1))
     print(table(payload))
     return payload

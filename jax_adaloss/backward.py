@@ -66,7 +66,7 @@ from jax_adaloss.cotangents import (
 )
 from jax_adaloss.layers import SWEEP
 from jax_adaloss.regions import REGIONS
-from jax_adaloss.report import BackwardReport, LayerReport
+from jax_adaloss.report import BackwardReport, CastSites, LayerReport
 from jax_adaloss.scaled_grad import NO_LAYER, encode_trace
 from jax_adaloss.scaled_grad import rescale as _rescale
 from jax_adaloss.trace import EXACT_MOVES, Node, Tape, chains
@@ -335,7 +335,8 @@ class _Sweep:
         return _materialized(dict(zip(self.feedback.weights(weight_of), values)))
 
     def report(self) -> BackwardReport:
-        return BackwardReport(self.layers, self.captured, self.captured_scales, self.tape.coverage())
+        sites = CastSites(tuple((n.name, n.what) for n in self.tape.nodes if n.kind == "cast" and n.what))
+        return BackwardReport(self.layers, self.captured, self.captured_scales, self.tape.coverage(), sites)
 
 
 #: per decision node's kind, the sweep's rule with a 16-bit and with an fp8 ``grad_format``

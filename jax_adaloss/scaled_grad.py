@@ -8,7 +8,26 @@ import jax
 import jax.numpy as jnp
 
 
-class ScaledGrad(NamedTuple):
+class _Fields(NamedTuple):
+    value: jax.Array
+    scale: jax.Array
+    underflow: jax.Array | None = None
+    inverse: jax.Array | None = None
+    marker: jax.Array | None = None
+    trace: jax.Array | None = None
+
+
+class _NamesTheRemedy(type):
+    """The type's repr is what JAX's pytree-structure errors print for a leaf whose type differs
+    (a ``ScaledGrad`` fed to ``optax.adam`` whose moments are arrays): it says what to do."""
+
+    def __repr__(cls) -> str:
+        return (f"<class 'jax_adaloss.{cls.__qualname__}'> (a gradient that carries its own loss "
+                "scale: unscale it with jax_adaloss.adaloss before an optax optimizer, "
+                "tx = jax_adaloss.adaloss(inner=optax.adam(lr)))")
+
+
+class ScaledGrad(_Fields, metaclass=_NamesTheRemedy):
     """A scaled gradient: the true gradient is ``value / scale``.
 
     Attributes:
@@ -39,14 +58,13 @@ class ScaledGrad(NamedTuple):
         leaf's layer (the first, from the loss, whose incoming cotangent was not finite if any
         was; ``NO_LAYER`` for a leaf that is no layer's weight), whether that cotangent was
         finite, and whether the loss was.
+
+    A ``NamedTuple`` (``_replace``, ``_fields``) and a pytree node. Given to an optax optimizer
+    instead of :func:`jax_adaloss.adaloss`, its tree does not match the optimizer's state, and
+    JAX's structure error names this type with that remedy.
     """
 
-    value: jax.Array
-    scale: jax.Array
-    underflow: jax.Array | None = None
-    inverse: jax.Array | None = None
-    marker: jax.Array | None = None
-    trace: jax.Array | None = None
+    __slots__ = ()
 
     @classmethod
     def of(cls, value: jax.Array, scale: jax.Array, underflow: jax.Array | None = None,

@@ -108,6 +108,7 @@ class Node:
     # an operand_format ``dot_general`` layer: each operand in fp8 and its scale, ``((q, s),
     # (q, s))``: the forward GEMM and both backward GEMMs multiply fp8 values (FP8 GEMMs)
     fp8_operands: tuple[tuple[Any, Any], ...] | None = None
+    what: str = ""  # a cast's: what it casts (dtypes, shape, the user's line), for people
 
 
 @dataclasses.dataclass
@@ -140,6 +141,17 @@ class CondRegion:
     needs: list[bool]  # of the operands
     # per branch, its layers' fan-ins by name (a report for a branch not taken)
     fan_ins: list[dict[str, int]] = dataclasses.field(default_factory=list)
+
+
+def _site(eqn: jcore.JaxprEqn) -> str:
+    """`` at file.py:42 (fn)``: the user's line that made ``eqn`` (JAX's own summary of its
+    traceback, past JAX's and this library's frames); empty where JAX keeps none."""
+    try:
+        from jax._src import source_info_util
+        where = source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 (a private helper: a JAX without it gives no site)
+        return ""
+    return f" at {where}" if where and where != "unknown" else ""
 
 
 class Tape:
@@ -495,6 +507,7 @@ class Tape:
             if is_float(src) and is_float(dst) and src.itemsize < dst.itemsize <= 8 \
                     and src.itemsize <= 2:
                 node.kind, node.name = "cast", f"cast:{self._count('<cast>')}"
+                node.what = f"{src.name} → {dst.name} {tuple(np.shape(vals[0]))}{_site(eqn)}"
                 self._check_format(src, f"{node.name} (a {dst.name} → {src.name} cotangent cast)")
 
     def _check_format(self, dtype: Any, where: str) -> None:

@@ -1,8 +1,11 @@
 """``adaloss()``: the optax transformation that unscales adaptive-scaled gradients.
 
 Each :class:`ScaledGrad` leaf is divided by its own scale in fp32; plain arrays
-(from ``jax.grad``) pass through unchanged. A step whose unscaled gradients are
-not all finite is skipped and counted, with no exception and no host sync.
+(from ``jax.grad``) pass through unchanged, and gradients none of whose float leaves is a
+``ScaledGrad`` (``jax.value_and_grad`` kept where ``jax_adaloss.value_and_grad`` belongs: no
+loss scaling at all) raise an ``AdaLossCoverageWarning`` that names the remedy. A step whose
+unscaled gradients are not all finite is skipped and counted, with no exception and no host
+sync.
 
 Two forms:
 
@@ -18,6 +21,7 @@ Two forms:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +30,7 @@ import optax
 
 from adaloss import solver
 from adaloss.config import AdaLossConfig
+from adaloss.report import AdaLossCoverageWarning
 from jax_adaloss.scaled_grad import (
     MISPLACED,
     NO_LAYER,
@@ -133,6 +138,41 @@ def _refuse_stateless(updates: Any) -> None:
             "adaloss_state=optimizer.opt_state), or adaloss_state=None to train without back-off.")
 
 
+#: said when ``adaloss()`` is given float gradients none of which is a ``ScaledGrad``
+PLAIN_GRADIENTS = (
+    "adaloss(): none of these gradients is a ScaledGrad: they come from jax.value_and_grad or "
+    "jax.grad, which computed them with no loss scaling at all (in fp16, gradients below 6e-8 "
+    "are already zero), so adaloss() only passes them on. Compute them with "
+    "jax_adaloss.value_and_grad(loss_fn)(params, batch, adaloss_state=opt_state) (or "
+    "jax_adaloss.grad), the one other change a training step needs. To refuse such gradients "
+    "instead: warnings.simplefilter('error', adaloss.report.AdaLossCoverageWarning).")
+
+
+def _say_if_plain(updates: Any) -> None:
+    """Warn (at trace time: once per compiled step) when float gradients hold no ``ScaledGrad``:
+    the optimizer was swapped but the gradient function was not, and nothing is scaled."""
+    leaves = jax.tree.leaves(updates, is_leaf=is_scaled_grad)
+    floats = [g for g in leaves if isinstance(g, ScaledGrad)
+              or (hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.inexact))]
+    if floats and not any(isinstance(g, ScaledGrad) for g in floats):
+        warnings.warn(PLAIN_GRADIENTS, AdaLossCoverageWarning, stacklevel=3)
+
+
+#: said once per process by ``adaloss()`` without ``inner`` (the chain form)
+CHAIN_SKIPS = (
+    "adaloss() without inner=: on a skipped step it emits zero updates, and the "
+    "transformations chained after it still run on them (optax.adam's moments decay and its "
+    "momentum still moves the parameters). For a skip that changes neither the parameters nor "
+    "any optimizer state, pass the optimizer inside: jax_adaloss.adaloss(inner=optax.adam(lr)).")
+_said: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        warnings.warn(text, UserWarning, stacklevel=4)
+
+
 def _unscale(g: Any) -> Any:
     if isinstance(g, ScaledGrad):
         return g.unscale()
@@ -195,6 +235,11 @@ def adaloss(config: AdaLossConfig | None = None,
       An ``optax.GradientTransformationExtraArgs`` with :class:`AdaLossState`.
     """
     if config is not None and not isinstance(config, AdaLossConfig):
+        if hasattr(config, "init") and hasattr(config, "update"):
+            raise TypeError(
+                f"adaloss(): its first argument is the AdaLossConfig, and this is an optax "
+                f"transformation ({type(config).__name__}); pass the optimizer as inner: "
+                "jax_adaloss.adaloss(inner=optax.adam(lr)) (or adaloss(config, inner=...)).")
         raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
     config = AdaLossConfig() if config is None else config
     if inner is not None and hasattr(inner, "gradient_transformation"):
@@ -204,6 +249,8 @@ def adaloss(config: AdaLossConfig | None = None,
     wrapped = optax.with_extra_args_support(inner) if inner is not None else None
 
     def init(params: Any) -> AdaLossState:
+        if wrapped is None:
+            _say_once(CHAIN_SKIPS)
         def zero(_: Any = None) -> jax.Array:  # one buffer each: a jitted step may donate the state
             return jnp.zeros((), jnp.int32)
         return AdaLossState(
@@ -221,9 +268,13 @@ def adaloss(config: AdaLossConfig | None = None,
             raise TypeError(
                 f"adaloss() state must be an AdaLossState, got {type(state).__name__}. A checkpoint "
                 "restored without a target (orbax's StandardCheckpointer.restore(path)) comes back as "
-                "dicts: restore with an abstract target, restore(path, jax.tree.map("
-                "ocp.utils.to_shape_dtype_struct, tx.init(params))).")
+                "dicts: restore with an abstract target laid out as what was saved; for "
+                "ckptr.save(path, {'params': params, 'opt_state': opt_state}): "
+                "ckptr.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, "
+                "{'params': params, 'opt_state': tx.init(params)})) (nnx: the abstract "
+                "nnx.state(optimizer) from nnx.eval_shape).")
         _refuse_stateless(updates)
+        _say_if_plain(updates)
         unscaled = jax.tree.map(_unscale, updates, is_leaf=is_scaled_grad)
         scales = jax.tree.map(_scale_of, updates, is_leaf=is_scaled_grad)
         grad_finite = _stacked([_finite(x) for x in jax.tree.leaves(unscaled)], jnp.bool_)

@@ -8,6 +8,8 @@ over the leaf, relative to the leaf's max abs fp32 gradient) is expected at a
 few 1e-3; we allow 3e-2. Plain fp16 misses by ~1 (gradients zero).
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -103,6 +105,9 @@ def test_peaked_fp16_attention_keeps_its_query_and_key_gradients_with_no_decisio
         assert err(plain, name) > 0.2 and err(jax_adaloss.unscale_tree(scaled), name) < 0.01, name
     # one cast decides: the logits' (the loss's fp32 math); the softmax sum's narrows exactly
     assert [k for k in report.layers if k.startswith("cast:")] == ["cast:1"], list(report.layers)
+    # and the report says what it casts: the logits, widened on the loss function's line
+    assert re.fullmatch(r"float16 → float32 \(4, 32, 16\) at .*test_gradients_match_fp32\.py:\d+:\d+ "
+                        r"\(.*loss\)", report.casts.as_dict()["cast:1"]), report.casts
 
 
 def test_a_take_along_axis_cotangent_is_jax_grads_with_indices_out_of_range_dropped():

@@ -125,10 +125,15 @@ def test_jax_orbax_restore_with_an_abstract_target_is_bitwise(tmp_path):
 def test_jax_state_restored_without_a_target_is_refused_with_the_remedy(tmp_path):
     params, state, _ = _jax_problem()
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp_path / "ckpt", state)
+    ckptr.save(tmp_path / "ckpt", {"params": params, "opt_state": state})  # the docs' layout
     ckptr.wait_until_finished()
     as_dicts = ckptr.restore(tmp_path / "ckpt")
     tx = jax_adaloss.adaloss(CONFIG, inner=optax.adam(1e-3))
     grads = jax.tree.map(jnp.zeros_like, params)
-    with pytest.raises(TypeError, match="abstract target"):
-        tx.update(grads, as_dicts, params)
+    with pytest.raises(TypeError, match="abstract target") as refused:
+        tx.update(grads, as_dicts["opt_state"], params)
+    # the target it suggests is that layout, and restoring with it gives the state back
+    assert "{'params': params, 'opt_state': tx.init(params)}" in str(refused.value)
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                          {"params": params, "opt_state": tx.init(params)})
+    _bitwise(ckptr.restore(tmp_path / "ckpt", target)["opt_state"], state)

@@ -13,11 +13,22 @@ from adaloss_study import cli
 def test_study_runs_every_output(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--steps", "4", "--measure-every", "2", "--methods", "fp32", "fp16", "dynamic",
-            "adaloss-product", "--dim", "32", "--layers", "1", "--seq", "32", "--out", str(out)]
+            "adaloss", "--dim", "32", "--layers", "1", "--seq", "32", "--out", str(out)]
     assert cli.main(argv) == 0
     table = capsys.readouterr().out
-    for method in ("fp32", "fp16", "dynamic", "adaloss-product"):
-        assert method in table
+    # the README's names, the threshold, a legend of every method and column, no line over 100
+    assert "T = 0.001" in table and max(len(line) for line in table.split("\nwrote:")[0].splitlines()) <= 100
+    rows = [line.split()[0] for line in table.splitlines() if line.startswith(("fp32 ", "fp16 ",
+                                                                              "dynamic ", "adaloss "))]
+    assert rows.count("adaloss") == 2 and rows.count("fp32") == 2  # a row in each of two tables
+    assert "\n  adaloss " in table.split("methods:")[1]  # and a legend entry
+    assert "adaloss-product" not in table.split("methods:")[0]  # shown under the README's name
+    assert "(--methods adaloss-product)" in " ".join(table.split()) and "jmp.DynamicLossScale" in table
+    for column in ("under mean/max", "within T", "carried", "flushed", "step time"):
+        assert f"  {column}" in table.split("columns:")[1], column
+    assert "ms/step" not in table.split("methods:")[0]  # sequential timings are not compared
+    for name in ("study.json", "loss.png", "underflow.png", "scales_adaloss-product.png"):
+        assert f"{out / name}  " in table, name  # each output named on exit, with what it shows
     record = json.loads((out / "study.json").read_text())
     runs = record["runs"]
     assert len(runs["fp32"]["train_loss"]) == 4 and runs["fp32"]["underflow"] == {}
@@ -88,13 +99,17 @@ def test_torch_step_benchmark_counts_the_ops_each_scaler_dispatches(tmp_path):
 
     methods = ["GradScaler", "AdaLossScaler, op by op", "AdaLossScaler, device math"]
     out = torch_step.main(["--models", "gpt2-2x128", "--repeats", "1", "--steps", "1", "--batch", "2",
-                           "--seq", "16", "--methods", *methods, "--json", str(tmp_path / "step.json")])
+                           "--seq", "16", "--methods", *methods, "--run-steps", "3",
+                           "--json", str(tmp_path / "step.json")])
     (row,) = out["rows"]
     ops = row["ops"]
     assert ops["GradScaler"] < ops["AdaLossScaler, op by op"] < ops["AdaLossScaler, device math"], ops
     assert row["decisions"] > 0 and torch_step.table(out).count("\n") == 1 + len(methods)
     assert 0 < row["bytes"]["GradScaler"] < row["bytes"]["AdaLossScaler, op by op"], row["bytes"]
-    assert [len(row["warmup_ms"][m]) for m in methods] == [2, 2, 2]
+    assert [len(row["warmup_ms"][m]) for m in methods] == [3, 3, 3]
+    import statistics  # a fresh scaler's first steps, compile included: their mean and median
+    assert row["run_mean_ms"] == {m: statistics.mean(row["warmup_ms"][m]) for m in methods}
+    assert row["run_median_ms"] == {m: statistics.median(row["warmup_ms"][m]) for m in methods}
 
 
 def test_the_torch_byte_counter_reads_arguments_writes_results_and_counts_no_view():
@@ -186,8 +201,10 @@ def test_table_reports_mean_and_std_over_seeds():
              "underflow_max": 2e-3, "within_T": 0.5, "carried_mean": 3e-3,
              "flushed_max": 1e-4, "step_ms": 10.0} for v in (2.0, 2.5)]
     lines = cli._table({"fp32": runs}).splitlines()
-    assert "2.2500 ± 0.2500" in lines[2]
-    assert len(lines[0]) == len(lines[2])  # columns aligned
+    assert lines[0] == "training" and "2.2500±0.2500" in lines[3]
+    assert len(lines[1]) == len(lines[3])  # columns aligned
+    under = lines[lines.index("per-layer underflow") + 3]
+    assert "1.00e-03±0e+00" in under and max(map(len, lines)) <= 100
 
 
 def test_threshold_summary_separates_held_back_scales_from_model_misses():
@@ -268,7 +285,7 @@ def test_ablation_methods(tmp_path, capsys):
             "--seq", "16", "--no-plots", "--out", str(out)]
     assert cli.main(argv) == 0
     table = capsys.readouterr().out
-    assert "within_T" in table and "carried_mean" in table and "flushed_max" in table
+    assert "within T" in table and "carried" in table and "flushed" in table
     record = json.loads((out / "study.json").read_text())
     runs = record["runs"]
     grow = runs["dynamic-grow"]["scales"]
@@ -382,3 +399,20 @@ def test_data_parallel_torch_line_reads_old_and_new_records():
     assert "--torch-dim" not in command(args)
     assert "--torch-dim 256 --torch-layers 4" in command({**args, "torch_dim": 256, "torch_layers": 4,
                                                           "torch_seq": 128})
+
+
+def test_scale_heatmap_rows_have_their_own_log_range_and_casts_say_what_they_cast(tmp_path):
+    from adaloss_study import plots
+    from adaloss_study.jax_runner import RunResult
+    scales = {0: {"params/a": 2.0**10, "cast:0": 2.0**28}, 50: {"params/a": 2.0**12, "cast:0": 2.0**28}}
+    grid = np.log2(np.array([[scales[s][k] for s in (0, 50)] for k in ("params/a", "cast:0")]))
+    shown, low, high = plots.per_row(np.vstack([grid, [[np.nan, 3.0]]]))
+    # a layer moving over 2 binades spans the colours; a cast at 2^28 does not flatten it
+    np.testing.assert_array_equal(shown[:2], [[0.0, 1.0], [0.0, 0.0]])
+    assert list(low) == [10, 28, 3] and list(high) == [12, 28, 3] and np.isnan(shown[2, 0])
+    casts = {"cast:0": "float16 → float32 (16, 64, 65) at /somewhere/jax_runner.py:212:17 (loss)"}
+    assert (plots.row_label("cast:0", casts)
+            == "cast:0: float16 → float32 (16, 64, 65) at jax_runner.py:212:17 (loss)")
+    assert plots.row_label("params/a", casts) == "a"
+    result = RunResult("adaloss-product", scales=scales, casts=casts)
+    assert plots.scale_heatmap(result, tmp_path / "s.png").stat().st_size > 10_000

@@ -3,7 +3,9 @@ checkpointing, telemetry, host synchronisation."""
 
 import copy
 import gc
+import logging
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -15,6 +17,7 @@ from torch_models import MLP, make_case, xent
 
 from adaloss import decisions
 from torch_bridge import AdaLossConfig, AdaLossScaler, _xp
+from torch_bridge import fused as fused_module
 from torch_bridge import scaler as scaler_module
 from torch_bridge.fused import FusedMath
 
@@ -73,6 +76,8 @@ def test_grad_scales_and_layer_reports():
         assert torch.frexp(s).mantissa == 0.5  # a power of two
     reps = scaler.layer_reports()
     assert list(reps) == ["net.2.weight", "net.4.weight", "cast:0"]  # forward order
+    (site,) = scaler.cast_sites().items()  # what the cast casts: the logits, widened by the loss
+    assert site[0] == "cast:0" and re.fullmatch(r"float16 → float32 \(\d+, 10\) at \w+Backward\d*", site[1])
     assert int(reps["net.2.weight"].fan_in) == 64 and int(reps["net.4.weight"].fan_in) == 10
     for r in reps.values():
         assert 0.0 <= float(r.predicted_underflow) <= 1.0
@@ -389,6 +394,7 @@ def test_fused_decisions_where_the_backend_cannot_compile_warn_once_and_run_op_b
     def cannot(*args, **kwargs):
         raise RuntimeError("Compiler: cc is not found.\nmore")
     monkeypatch.setattr(_inductor, "compile", cannot)
+    monkeypatch.setattr(fused_module, "_PROCESS_CACHE", {})  # nothing compiled by earlier tests
     fused = FusedMath("inductor")
     fusing, said = _steps_beside_unfused(fused, (8, 8, 8))
     assert fusing == [True, False, False]
@@ -396,6 +402,38 @@ def test_fused_decisions_where_the_backend_cannot_compile_warn_once_and_run_op_b
     assert "could not compile" in said[0][0] and "cc is not found" in said[0][0]
     assert "fuse_decisions=False" in said[0][0] and "more" not in said[0][0]
     assert fused.failed is not None and len(fused) == 0
+
+
+def test_a_compiling_backward_says_how_long_it_took_and_a_resumed_scaler_reuses_it(monkeypatch):
+    """The backward that compiles its decisions says so once, with the time and the remedy; a
+    scaler made anew in the same process (a resume from its state_dict) compiles nothing."""
+    monkeypatch.setattr(fused_module, "_PROCESS_CACHE", {})
+    monkeypatch.setattr(fused_module, "SAY_COMPILE_AFTER", 0.0)  # (eager "compiles" in ms)
+
+    def backward(scaler, model, x, y):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast("cpu", dtype=torch.float16):
+                scaler.scale(1e-4 * xent(model(x), y)).backward()
+            model.zero_grad()
+        return [str(w.message) for w in caught if issubclass(w.category, fused_module.CompileNotice)]
+
+    model, x, y = make_case("gpt")
+    first = AdaLossScaler(model, fuse_decisions=FusedMath("eager"))
+    said = backward(first, model, x, y)
+    assert len(said) == 1, said
+    assert re.search(r"compiled \d+ of its scale decisions with eager in \d+\.\d s.*"
+                     r"fuse_decisions=False never compiles", said[0])
+    assert backward(first, model, x, y) == []  # compiled already
+    resumed = AdaLossScaler(model, fuse_decisions=FusedMath("eager"))
+    resumed.load_state_dict(first.state_dict())
+    assert backward(resumed, model, x, y) == []
+    assert len(resumed._schedule.fused) == len(first._schedule.fused) > 0
+    # torch's misleading CPU note during inductor's toolchain lookup is dropped, nothing else
+    note = fused_module._NoCudaHomeNote()
+    assert not note.filter(logging.makeLogRecord(
+        {"msg": "No CUDA runtime is found, using CUDA_HOME='%s'", "args": ("/usr/local",)}))
+    assert note.filter(logging.makeLogRecord({"msg": "something else"}))
 
 
 def test_fused_update_moves_the_backoff_and_lifts_as_the_op_by_op_one():
@@ -687,6 +725,16 @@ def test_gradscaler_schedule_arguments_getters_and_state():
                        ({"growth_interval": 0}, "growth_interval"), ({"init_scale": -1.0}, "init_scale")):
         with pytest.raises(ValueError, match=match):
             AdaLossScaler(model, **bad)
+    # GradScaler's device: accepted by keyword, said once (and where it is not the model's)
+    from torch_bridge import scaler as scaler_module
+    scaler_module._SAID_DEVICE.clear()
+    with pytest.warns(UserWarning, match=r"device='cuda'.*not used.*on cpu.*Move the model"):
+        AdaLossScaler(model, device="cuda", enabled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdaLossScaler(model, device="cuda")  # once
+    with pytest.raises(TypeError, match="device='cpu'"):
+        AdaLossScaler(model, "cpu")
 
 
 def test_a_gradscaler_state_dict_is_adopted_or_refused_by_name():

@@ -186,3 +186,59 @@ def test_a_jitted_step_may_donate_the_state():
     for _ in range(2):
         params, state = donating(params, state, jnp.ones((5, 4)))
     assert int(state.count) == 2 and int(state.skipped) == 0
+
+
+def test_plain_gradients_from_jax_value_and_grad_are_named_with_the_remedy():
+    # the README's two changes half-applied: adaloss() swapped in, jax.value_and_grad kept. At
+    # loss x1e-6 in fp16 that backward has no scale at all and its weight gradients are all zero.
+    import warnings
+
+    from models import MLP, make_case, xent
+
+    from adaloss.report import AdaLossCoverageWarning
+    _, params, x, y = make_case("mlp", jax.random.key(0))
+    model = MLP(dtype=jnp.float16)
+
+    def loss(p):
+        return 1e-6 * xent(model.apply(p, x.astype(jnp.float16)), y)
+
+    tx = adaloss(inner=optax.adam(1e-3))
+    state = tx.init(params)
+    _, plain = jax.value_and_grad(loss)(params)
+    kernels = [g for path, g in jax.tree_util.tree_leaves_with_path(plain) if "kernel" in str(path)]
+    assert kernels and all(not bool(jnp.any(g != 0)) for g in kernels[:-1])  # the first layers' are
+    with pytest.warns(AdaLossCoverageWarning, match=r"none of these gradients is a ScaledGrad.*"
+                      r"jax_adaloss\.value_and_grad"):
+        jax.jit(tx.update)(plain, state, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdaLossCoverageWarning)  # the strict form: it raises
+        with pytest.raises(AdaLossCoverageWarning):
+            tx.update(plain, state, params)
+        _, scaled = jax_adaloss.value_and_grad(loss)(params, adaloss_state=state)
+        upd, _ = tx.update(scaled, state, params)  # the full change: no word
+    assert all(bool(jnp.any(u != 0)) for u in jax.tree.leaves(upd))
+
+
+def test_the_chain_form_says_once_that_later_links_run_on_skipped_steps(monkeypatch):
+    from jax_adaloss import transform
+    monkeypatch.setattr(transform, "_said", set())
+    with pytest.warns(UserWarning, match=r"chained after it still run.*adaloss\(inner="):
+        optax.chain(adaloss(), optax.adam(1e-3)).init(_params())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optax.chain(adaloss(), optax.adam(1e-3)).init(_params())  # once
+        adaloss(inner=optax.adam(1e-3)).init(_params())  # the guaranteed skip: nothing to say
+
+
+def test_an_optimizer_in_the_config_place_or_after_the_gradients_is_named():
+    with pytest.raises(TypeError, match=r"adaloss\(inner=optax\.adam"):
+        adaloss(optax.adam(1e-3))
+    params = {"w": jnp.ones((4, 3))}
+
+    def loss(p):
+        return jnp.sum((jnp.ones((2, 4), jnp.float16) @ p["w"].astype(jnp.float16)) ** 2)
+    _, grads = jax_adaloss.value_and_grad(loss)(params, adaloss_state=None)
+    adam = optax.adam(1e-3)  # scaled gradients straight into optax: JAX's structure error says
+    with pytest.raises(ValueError, match=r"ScaledGrad.*jax_adaloss\.adaloss\(inner=optax\.adam"):
+        adam.update(grads, adam.init(params), params)

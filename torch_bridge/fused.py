@@ -27,18 +27,59 @@ its last bits.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+import time
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
 
 from torch_bridge._xp import xp
 
-__all__ = ["BACKENDS", "FusedMath", "FusionSchedule"]
+__all__ = ["BACKENDS", "CompileNotice", "FusedMath", "FusionSchedule"]
 
 #: what :class:`FusedMath` compiles the traced decision with
 BACKENDS = ("inductor", "eager")
+
+#: (backend, decision key) -> (compiled graph, the outputs' structure), for the whole process:
+#: a scaler made anew (a resumed job, a copy, a second model of the same shapes) reuses what an
+#: earlier one compiled; across processes inductor's own FX graph cache (on by default) serves it
+_PROCESS_CACHE: dict[Hashable, tuple[Callable[..., Any], Any]] = {}
+
+#: a backward whose compiles took longer than this says so (seconds)
+SAY_COMPILE_AFTER = 1.0
+
+
+class CompileNotice(UserWarning):
+    """What ``fuse_decisions`` compiled during a backward and how long it took (the one-time
+    stall of the step that compiles); ``warnings.filterwarnings("ignore", category=CompileNotice)``
+    silences it."""
+
+
+class _NoCudaHomeNote(logging.Filter):
+    """``torch.utils.cpp_extension`` logs "No CUDA runtime is found" when inductor's C++
+    toolchain lookup imports it on a machine with a CUDA toolkit and no GPU: a CPU compile of
+    the decisions needs no CUDA, and the :class:`CompileNotice` says what is happening."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No CUDA runtime is found" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_toolchain_lookup() -> Iterator[None]:
+    if "torch.utils.cpp_extension" in sys.modules:
+        yield
+        return
+    log = logging.getLogger("torch.utils.cpp_extension")
+    note = _NoCudaHomeNote()
+    log.addFilter(note)
+    try:
+        yield
+    finally:
+        log.removeFilter(note)
 
 
 class FusedMath:
@@ -68,6 +109,9 @@ class FusedMath:
         self._shapes: dict[Hashable, set[Hashable]] = {}  # (decision, signature) -> its shapes
         self._warned = False
         self._constants: dict[tuple[Any, ...], torch.Tensor] = {}
+        #: graphs compiled (not found in the process's cache) and the seconds that took, since
+        #: :meth:`say_compiles` last ran (the backward in progress)
+        self.compiles, self.compile_s = 0, 0.0
 
     def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``value`` as a 0-d tensor on ``device``, made once (a size that follows the batch is
@@ -111,13 +155,34 @@ class FusedMath:
                     self._warn(fn, point)
                     return None
                 shapes.add(key)
-            hit = self._compile(fn, static, spec, tensors)
+            hit = _PROCESS_CACHE.get((self.backend, key))
+            if hit is None:
+                t0 = time.perf_counter()
+                hit = self._compile(fn, static, spec, tensors)
+                self.compiles += 1
+                self.compile_s += time.perf_counter() - t0
+                if hit is not None:
+                    _PROCESS_CACHE[(self.backend, key)] = hit
             if hit is not None:
                 self._compiled[key] = hit
         if hit is None:  # the backend cannot compile here: op by op (a scalar decision: right here)
             return fn(*static, xp, *args) if scalars else None
         compiled, out_spec = hit
         return _unflatten(out_spec, iter(compiled(*tensors)))
+
+    def say_compiles(self, stacklevel: int = 2) -> None:
+        """At the end of a backward: a :class:`CompileNotice` if its compiles took longer than
+        :data:`SAY_COMPILE_AFTER` (what compiled, for how long, and what avoids it)."""
+        n, took = self.compiles, self.compile_s
+        self.compiles, self.compile_s = 0, 0.0
+        if n == 0 or took < SAY_COMPILE_AFTER or self.failed is not None:
+            return
+        warnings.warn(
+            f"fuse_decisions: this backward compiled {n} of its scale decisions with {self.backend} "
+            f"in {took:.1f} s, a one-time cost per shape of their tensors (the decisions' work as a "
+            "few fused calls per layer: faster steps from now on). This process reuses them; another "
+            "process finds them in torch's inductor cache and compiles faster. fuse_decisions=False "
+            "never compiles (the decisions then run op by op).", CompileNotice, stacklevel=stacklevel + 1)
 
     def _warn(self, fn: Callable[..., Any], point: Hashable) -> None:
         """Once per :class:`FusedMath`: the first decision past :attr:`max_shapes`."""
@@ -156,7 +221,8 @@ class FusedMath:
             from torch import _inductor  # not through dynamo: the hooks run with it disabled
 
             try:
-                return _inductor.compile(graph, tensors), out_spec[0]
+                with _quiet_toolchain_lookup():
+                    return _inductor.compile(graph, tensors), out_spec[0]
             except Exception as e:  # noqa: BLE001 (a missing compiler, an unsupported device, ...)
                 said = str(e).strip()
                 self.failed = f"{type(e).__name__}: {said.splitlines()[0] if said else ''}"
@@ -219,8 +285,11 @@ class FusionSchedule:
         self.active = f is not None and f.failed is None and self.steady >= f.steady_after
         return f if self.active else None
 
-    def saw(self, shapes: tuple[Any, ...]) -> None:
-        """A backward finished whose decisions met ``shapes``."""
+    def saw(self, shapes: tuple[Any, ...], stacklevel: int = 2) -> None:
+        """A backward finished whose decisions met ``shapes`` (and said what it compiled;
+        ``stacklevel``: the caller's frame to point at, as ``warnings.warn``'s)."""
+        if self.active and self.fused is not None:
+            self.fused.say_compiles(stacklevel + 1)
         if shapes == self.shapes:
             self.steady += 1
         else:

@@ -143,6 +143,7 @@ class NodePlan:
     fan_in: int = 1
     feature_dim: int = -1  # a layer's output dimension that comes from its weight (its features)
     narrow_dtype: torch.dtype | None = None  # a cast's: the dtype its cotangent is narrowed to
+    what: str = ""  # a cast's: what it casts (dtypes, the widened tensor's shape, its node), for people
     # a "factor" node (``x·c``, ``x/c`` with ``c`` a scalar, on a 16-bit cotangent): the saved
     # attribute holding ``c``, and whether the node divides by it
     factor_attr: str = ""
@@ -346,6 +347,7 @@ class _Builder:
                 regions += 1
             elif self.cast_rule and self._narrows(plan):
                 plan.kind, plan.name = "cast", f"cast:{casts}"
+                plan.what = self._cast_site(plan)
                 casts += 1
             elif plan.kind == "input":  # named after its weight, as a layer is
                 k = names[plan.name]
@@ -580,6 +582,14 @@ class _Builder:
     def _shape(self, edge: tuple[int, int]) -> list[int]:
         """The shape of the value on ``edge`` (its gradient's)."""
         return list(self.nodes[edge[0]]._input_metadata[edge[1]].shape)
+
+    def _cast_site(self, plan: NodePlan) -> str:
+        """``float16 → float32 (8, 16, 40) at LogSoftmaxBackward0``: the dtypes, the shape of
+        the widened tensor and the autograd node that widened it (the first graph's shape)."""
+        node = self.nodes[plan.index]
+        wide = max((m for m in node._input_metadata if _is_float(m.dtype)), key=lambda m: m.dtype.itemsize)
+        narrow = str(plan.narrow_dtype).removeprefix("torch.")
+        return f"{narrow} → {str(wide.dtype).removeprefix('torch.')} {tuple(wide.shape)} at {node.name()}"
 
     def _narrows(self, plan: NodePlan) -> bool:
         wide = [d.itemsize for d in plan.out_dtypes if _is_float(d)]

@@ -105,6 +105,22 @@ def _check_float8_layers(model: torch.nn.Module, config: AdaLossConfig) -> None:
                 "give both the same AdaLossConfig.")
 
 
+_SAID_DEVICE: set[str] = set()
+
+
+def _say_device_unused(device: torch.device, model: torch.nn.Module) -> None:
+    """``device=`` is GradScaler's; here each scale lives on its gradient's device: said once."""
+    on = sorted({p.device.type for p in model.parameters()})
+    text = (f"AdaLossScaler(device={str(device)!r}) is accepted for torch.amp.GradScaler's "
+            "signature and not used: each scale lives on the device of the gradient it scales (this "
+            f"model's parameters are on {', '.join(on)}).")
+    if device.type not in on:
+        text += " Move the model to that device before training."
+    if text not in _SAID_DEVICE:
+        _SAID_DEVICE.add(text)
+        warnings.warn(text, UserWarning, stacklevel=3)
+
+
 class AdaLossScaler:
     """Adaptive loss scaling for an unmodified ``nn.Module`` (method: Zhao et al., 2019).
 
@@ -113,6 +129,8 @@ class AdaLossScaler:
         their weight's parameter name.
       config: an :class:`~adaloss.config.AdaLossConfig` (default ``AdaLossConfig()``),
         the same object ``jax_adaloss`` takes.
+      device: ``torch.amp.GradScaler``'s first argument, accepted by keyword and not used
+        (said once): each scale lives on the device of the gradient it scales.
       enabled: ``False`` makes every method a pass-through (``step`` just calls
         ``optimizer.step()``), as with ``GradScaler(enabled=False)``.
       capture: keep each layer's incoming cotangent of the last backward
@@ -161,7 +179,8 @@ class AdaLossScaler:
     """
 
     def __init__(self, model: torch.nn.Module, config: AdaLossConfig | None = None, *,
-                 enabled: bool = True, capture: bool = False, host_math: bool = True,
+                 device: str | torch.device | None = None, enabled: bool = True,
+                 capture: bool = False, host_math: bool = True,
                  unscale_in_backward: bool | None = None,
                  fuse_decisions: bool | str | FusedMath = "auto",
                  warn_after_skips: int | None = skips.WARN_AFTER,
@@ -187,8 +206,13 @@ class AdaLossScaler:
                              "each gradient in its post-backward hook, so ranks' per-layer scales must "
                              "be removed before it; leave unscale_in_backward=None.")
         config = AdaLossConfig() if config is None else config
+        if isinstance(config, (str, torch.device)):
+            raise TypeError(f"AdaLossScaler(model, {config!r}): the second argument is the "
+                            f"AdaLossConfig; GradScaler's device goes by keyword, device={config!r}")
         if not isinstance(config, AdaLossConfig):
             raise TypeError(f"config must be an AdaLossConfig, got {type(config).__name__}")
+        if device is not None:
+            _say_device_unused(torch.device(device), model)
         _check_float8_layers(model, config)
         self._model: torch.nn.Module | None = model
         self._token = _register(model)
@@ -220,6 +244,7 @@ class AdaLossScaler:
         self._plans: OrderedDict[Any, Any] = OrderedDict()  # graph structure -> plan
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
         self._coverage: Coverage | None = None
+        self._cast_sites: dict[str, str] = {}
         self._regions = RegionScales(regions.Growth(float(init_scale), float(growth_factor),
                                                     float(backoff_factor), growth_interval))
         # back-off exponent h and its count of finite steps (int32, on the loss's device)
@@ -319,6 +344,8 @@ class AdaLossScaler:
         self._at_leaf = self._sharded or (_data_parallel() if self.unscale_in_backward is None
                                           else bool(self.unscale_in_backward))
         self._coverage = plan.coverage
+        self._cast_sites = {p.name: p.what for p in sorted(plan.order, key=lambda p: p.rank)
+                            if p.kind == "cast"}
         hidden: list[torch.Tensor] = []
         if plan.opaque:
             planned = {id(p) for p in plan.params if p is not None}
@@ -548,7 +575,7 @@ class AdaLossScaler:
         return one
 
     def _on_done(self, record: BackwardRecord) -> None:
-        self._schedule.saw(record.shapes)
+        self._schedule.saw(record.shapes, stacklevel=_user_stacklevel())
         if record.global_reason is not None and not self._warned_global:
             self._warned_global = True
             warnings.warn(_GLOBAL_BACKWARD.format(how=record.global_reason), stacklevel=_user_stacklevel())
@@ -687,6 +714,12 @@ class AdaLossScaler:
         """Matmul/convolution nodes, layers scaled and opaque regions of the last ``scale()``'d
         graph (``None`` before the first); see :class:`adaloss.report.Coverage`."""
         return self._coverage
+
+    def cast_sites(self) -> dict[str, str]:
+        """What each cast decision of the last ``scale()``'d graph casts, by its name
+        (``{"cast:0": "float16 → float32 (8, 16, 40) at LogSoftmaxBackward0"}``: the cotangent's
+        dtype, the widened tensor's, its shape when first planned, and the autograd node)."""
+        return dict(self._cast_sites)
 
     def layer_reports(self) -> dict[str, LayerReport]:
         """Per-layer scale decisions and statistics of the last backward (forward order)."""

@@ -5,10 +5,13 @@
     adaloss-study --overhead            # step-time ratio adaloss / dynamic scaling
     adaloss-study --grad-format float8_e5m2 --spike-at 150   # FP8 gradients, a loss spike mid-run
 
-Prints a table (final train/val loss, val perplexity, skipped steps, per-layer
-measured underflow: mean/max fraction below u_min, the share of layer-steps within ``T``,
-the largest fraction flushed to zero; step time) and writes ``study.json`` and PNG plots
-(loss curves, underflow over steps, per-layer scale heatmaps) to ``--out``.
+Prints two tables, each at most 100 columns wide, and a legend of their methods and columns
+(final val/train loss, val perplexity, skipped steps; per-layer measured underflow: mean/max
+fraction below u_min, the share of layer-steps within ``T``, what the backward carries below
+u_min and the largest fraction flushed to zero), and writes ``study.json`` and PNG plots (loss
+curves, underflow over steps, per-layer scale heatmaps) to ``--out``, naming each on exit.
+Step times are in ``study.json`` only: the methods run one after another (``--overhead``
+times them alternately).
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ from typing import Any
 import numpy as np
 
 from adaloss.config import AdaLossConfig
-from adaloss_study import jax_runner, plots
-from adaloss_study.gallery import cell
+from adaloss_study import jax_runner, legend, plots
 from adaloss_study.jax_runner import (
     DEFAULT_METHODS,
     FP8_METHODS,
@@ -42,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="jax: jax_adaloss, jmp; torch: torch_bridge, torch.amp.GradScaler")
     ap.add_argument("--task", choices=["shakespeare", "digits"], default="shakespeare",
                     help="shakespeare: char GPT; digits: small CNN on scikit-learn's 8x8 digits")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+    ap.add_argument("--methods", nargs="+", choices=(*METHODS, *legend.ALIASES), default=None,
                     help=f"default: {' '.join(DEFAULT_METHODS)}; with an fp8 --grad-format: "
                          f"{' '.join(FP8_METHODS)} (torch: {' '.join(TORCH_FP8_METHODS)})")
     ap.add_argument("--grad-format", choices=["float16", "float8_e5m2", "float8_e4m3fn"], default="float16",
@@ -115,24 +117,77 @@ def _summary(r: RunResult, threshold: float, cfg: RunConfig | None = None) -> di
             "flushed_max": float(np.max(flushed)) if flushed else unmeasured, "step_ms": r.step_ms}
 
 
+#: the study's two console tables: (title, [(summary key, header, format)])
+TABLES = (
+    ("training", [("spike_loss", "spike loss", ".4f"), ("val_loss", "val loss", ".4f"),
+                  ("val_ppl", "val ppl", ".3f"), ("train_loss", "train loss", ".4f"),
+                  ("skipped", "skipped", ".0f")]),
+    ("per-layer underflow", [("underflow_mean", "under mean", ".2e"), ("underflow_max", "under max", ".2e"),
+                             ("within_T", "within T", ".2f"), ("carried_mean", "carried", ".2e"),
+                             ("flushed_max", "flushed", ".2e")]),
+)
+
+
+def _cell(vals: np.ndarray, fmt: str) -> str:
+    """Mean (and ±std over seeds, one significant digit) of ``vals``; ``–`` where none was measured."""
+    if np.isnan(vals).all():
+        return "–"
+    mean = f"{vals.mean():{fmt}}"
+    if len(vals) == 1:
+        return mean
+    return mean + (f"±{vals.std():.0e}" if "e" in fmt else f"±{vals.std():{fmt}}")
+
+
 def _table(rows: dict[str, list[dict[str, float]]]) -> str:
-    cols = ["train_loss", "val_loss", "val_ppl", "skipped", "underflow_mean", "underflow_max", "within_T",
-            "carried_mean", "flushed_max", "step_ms"]
-    if any("spike_loss" in r for runs in rows.values() for r in runs):
-        cols.insert(0, "spike_loss")
-    cells: dict[str, list[str]] = {}
-    for method, runs in rows.items():
-        cells[method] = []
-        for c in cols:
-            vals = np.array([r[c] for r in runs], float)
-            fmt = (".2e" if c.startswith(("underflow", "flushed", "carried")) else ".0f" if c == "skipped"
-                   else ".2f" if c == "within_T" else ".4f")
-            cells[method].append(cell(vals, fmt))
-    width = max([len(c) for c in cols] + [len(x) for row in cells.values() for x in row]) + 2
-    head = f"{'method':<18}" + "".join(f"{c:>{width}}" for c in cols)
-    lines = [head, "-" * len(head)]
-    lines += [f"{m:<18}" + "".join(f"{x:>{width}}" for x in row) for m, row in cells.items()]
-    return "\n".join(lines)
+    """The study's tables, each at most 100 columns wide: per method (shown by its
+    :func:`~adaloss_study.legend.label`), the training columns, then the underflow columns."""
+    out = []
+    for title, cols in TABLES:
+        cols = [c for c in cols if any(c[0] in r for runs in rows.values() for r in runs)]
+        cells = {legend.label(m): [_cell(np.array([r[k] for r in runs], float), fmt) for k, _, fmt in cols]
+                 for m, runs in rows.items()}
+        first = max(len("method"), *(len(m) for m in cells)) + 2
+        width = max([len(h) for _, h, _ in cols] + [len(x) for row in cells.values() for x in row]) + 2
+        head = f"{'method':<{first}}" + "".join(f"{h:>{width}}" for _, h, _ in cols)
+        out += [title, head, "-" * len(head)]
+        out += [f"{m:<{first}}" + "".join(f"{x:>{width}}" for x in row) for m, row in cells.items()]
+        out.append("")
+    return "\n".join(out[:-1])
+
+
+def write_plots(first: dict[str, RunResult], base: RunConfig, out: Path,
+                title: str) -> list[tuple[Path, str]]:
+    """The study's PNG plots of the first seed's runs, into ``out``: (path, what it shows)."""
+    ada = base.adaloss
+    written = [(plots.loss_curves(first, out / "loss.png", title), "train loss per method"),
+               (plots.underflow_over_steps(first, out / "underflow.png", ada.threshold),
+                "measured underflow per method over training, and T")]
+    if ada.fp8:
+        written.append((plots.fp8_fractions(first, out / "fp8_fractions.png", base),
+                        "what the fp8 casts flushed and saturated"))
+    for m, r in first.items():
+        if any(r.scales.values()) and "global" not in next(iter(r.scales.values()), {}):
+            written.append((plots.scale_heatmap(r, out / f"scales_{m}.png", legend.label(m)),
+                            f"{legend.label(m)}'s scale per layer over training"))
+    return written
+
+
+def replot(record: dict[str, Any], out: Path) -> list[tuple[Path, str]]:
+    """:func:`write_plots` from a saved ``study.json`` record (what a gallery run reused)."""
+    fields = {f.name for f in dataclasses.fields(RunResult)}
+    by_step = {f.name for f in dataclasses.fields(RunResult) if f.name not in ("train_loss", "step_seconds",
+                                                                               "casts")
+               and isinstance(getattr(RunResult("x"), f.name), dict)}
+    first = {}
+    for m, run in record["runs"].items():
+        kept = {k: ({int(s): v for s, v in val.items()} if k in by_step else val)
+                for k, val in run.items() if k in fields}
+        first[m] = RunResult(**kept)
+    config = dict(record["config"])
+    base = RunConfig(**{**config, "adaloss": AdaLossConfig(**config["adaloss"])})
+    args = record.get("args", {})
+    title = f"{args.get('task', 'shakespeare')} ({args.get('framework', 'jax')})"
+    return write_plots(first, base, out, title)
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
@@ -171,6 +226,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     if args.methods is None:
         fp8 = TORCH_FP8_METHODS if args.framework == "torch" else FP8_METHODS
         args.methods = list(fp8 if base.adaloss.fp8 else DEFAULT_METHODS)
+    args.methods = list(dict.fromkeys(legend.ALIASES.get(m, m) for m in args.methods))
     for method in args.methods:  # before any run: a wrong one fails at once
         try:
             jax_runner.check_method(method, base, args.framework)
@@ -192,23 +248,23 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             result = runner.run(method, cfg, task.train(seed), val, make)
             rows[method].append(_summary(result, base.adaloss.threshold, cfg))
             first.setdefault(method, result)
-            print(f"  {method:<18} seed {seed}: val loss {result.val_loss:.4f}, "
+            print(f"  {legend.label(method):<18} seed {seed}: val loss {result.val_loss:.4f}, "
                   f"skipped {result.skipped}, {result.step_ms:.1f} ms/step", file=sys.stderr)
+    ada = base.adaloss
     print(f"\n{args.task}, {args.framework}, {args.steps} steps, batch {args.batch} x {args.seq}, "
-          f"loss factor {args.loss_factor:g}, {args.seeds} seed(s)\n{_table(rows)}")
+          f"loss factor {args.loss_factor:g}, {args.seeds} seed(s)\n{ada.grad_format} gradients, "
+          f"threshold T = {ada.threshold:g}, u_min = {ada.underflow_limit:.3g}\n\n{_table(rows)}\n\n"
+          + legend.legend(args.methods, args.framework, ada.threshold, ada.underflow_limit,
+                          ada.grad_format, base.static_scale, base.growth, base.measure_every,
+                          args.seeds))
     record = {"args": _args_record(args),
               "config": dataclasses.asdict(base), "summary": rows,
               "runs": {m: dataclasses.asdict(r) for m, r in first.items()}}
     (args.out / "study.json").write_text(json.dumps(record, indent=1, default=float))
+    written = [(args.out / "study.json", "every run's numbers, per step and per layer")]
     if not args.no_plots:
-        plots.loss_curves(first, args.out / "loss.png", f"{args.task} ({args.framework})")
-        plots.underflow_over_steps(first, args.out / "underflow.png", base.adaloss.threshold)
-        if base.adaloss.fp8:
-            plots.fp8_fractions(first, args.out / "fp8_fractions.png", base)
-        for m, r in first.items():
-            if any(r.scales.values()) and "global" not in next(iter(r.scales.values()), {}):
-                plots.scale_heatmap(r, args.out / f"scales_{m}.png")
-    print(f"\nwrote {args.out}/study.json" + ("" if args.no_plots else " and plots"))
+        written += write_plots(first, base, args.out, f"{args.task} ({args.framework})")
+    print("\nwrote:\n" + "\n".join(f"  {path}  {what}" for path, what in written))
     return record
 
 

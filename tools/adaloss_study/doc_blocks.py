@@ -203,6 +203,16 @@ def torch_ops_summary(docs: Path) -> list[str]:
     out = [f"- **torch, HF {names}, aten ops per training step** (`{payload['command']}`, "
            f"{dtype}; each op is one or more kernels on a GPU), ÷ `torch.amp.GradScaler`'s: "
            + "; ".join(parts) + "."]
+    if all(DEFAULT in r.get("run_mean_ms", {}) for r in rows):  # what a short run sees
+        cells = [f"{r['model']} mean {r['run_mean_ms'][DEFAULT] / r['run_mean_ms']['GradScaler']:.2f}×, "
+                 f"median {r['run_median_ms'][DEFAULT] / r['run_median_ms']['GradScaler']:.2f}×"
+                 for r in rows]
+        warm = rows[0]["warmup_ms"][DEFAULT]
+        stall = warm.index(max(warm)) + 1  # the step that compiled
+        out.append(f"- **torch, the same models, a fresh scaler's first {payload['run_steps']} steps** "
+                   f"(the same command, `{payload['machine']}`; the default compiles its decisions at "
+                   f"step {stall} of them, a one-time stall), ÷ `torch.amp.GradScaler`'s: "
+                   + "; ".join(cells) + ".")
     if (docs / "torch_step_bf16.json").exists():  # bf16 GEMMs: fast on a CPU, as fp16's are on a GPU
         bf16 = _json(docs, "torch_step_bf16.json")
         cells = []

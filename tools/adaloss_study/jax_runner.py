@@ -182,6 +182,8 @@ class RunResult:
     # zero / saturated (every step)
     fp8_flushed: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     fp8_saturated: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # adaloss methods: cast decision -> what it casts (dtypes, shape, where)
+    casts: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def val_ppl(self) -> float:
@@ -273,6 +275,7 @@ def _adaloss_step(loss: Callable[..., jax.Array], config: AdaLossConfig, cfg: Ru
                 scales[f"{k}#held"] = r.incoming_held
                 if r.flushed is not None:
                     scales[f"{k}#flushed"], scales[f"{k}#saturated"] = r.flushed, r.saturated
+            scales["#casts"] = report.casts  # static: what each cast casts
         return optax.apply_updates(params, updates), opt_state, value / factor, scales, jnp.zeros((), bool)
     return step, tx.init(params)
 
@@ -369,6 +372,8 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
         value, skip, step_scales = t.step(x, y, factor)
         jax.block_until_ready(value)
         res.add_step(time.perf_counter() - t0, float(value) / cfg.loss_factor, bool(skip))
+        if "#casts" in step_scales:
+            res.casts = step_scales.pop("#casts").as_dict()
         if cfg.adaloss.fp8 and step_scales:
             res.fp8_flushed[i] = {k.removesuffix("#flushed"): float(v) for k, v in step_scales.items()
                                   if k.endswith("#flushed")}

@@ -159,6 +159,7 @@ def run(method: str, cfg: RunConfig, data: Iterator[tuple[np.ndarray, np.ndarray
                 res.limited[i] = sorted(k for k, r in reports.items()
                                     if float(r.unrounded_scale) < float(r.model_scale))
                 res.held[i] = sorted(k for k, r in reports.items() if bool(r.incoming_held))
+                res.casts = scaler.cast_sites()
             else:
                 res.scales[i] = {"global": float(scaler.get_scale()) if scaler is not None else 1.0}
     with torch.no_grad():
