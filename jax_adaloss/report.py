@@ -39,7 +39,7 @@ class BackwardReport(NamedTuple):
     incoming scale) when requested with ``capture_cotangents=True``, else is empty;
     ``cotangent_scales`` the scale each of those carries. ``coverage`` counts the
     matmuls/convolutions seen, the layers scaled and the opaque regions; ``casts`` what each
-    cast outside a region casts (:class:`CastSites`).
+    cast outside a region casts (:class:`~jax_adaloss.report.CastSites`).
     """
 
     layers: dict[str, LayerReport]

@@ -49,7 +49,7 @@ class SkipRecord(NamedTuple):
       skip_step: the ``count`` of that update (int32; -1 before any skip).
       skip_mixed_scales: whether its scales were combined as values (bool).
       skip_leaves: fp32, one entry per parameter leaf (in the order ``jax.tree.leaves`` gives
-        them): ``2 · trace + finite``, its gradient's :attr:`ScaledGrad.trace` (a plain
+        them): ``2 · trace + finite``, its gradient's ``ScaledGrad.trace`` (a plain
         array's: no layer, everything finite) and whether its unscaled gradient was finite.
         One array, so that keeping it costs one select on a GPU, not one per leaf.
     """
@@ -66,7 +66,7 @@ class AdaLossState(NamedTuple):
       count: updates seen (int32).
       skipped: updates skipped (int32): a gradient was not finite, or its scales were mixed.
       mixed_scales: updates skipped because a ``ScaledGrad``'s scale was combined with others
-        as if it were a value (int32; :attr:`ScaledGrad.inverse`): gradients reduced across
+        as if it were a value (int32; ``ScaledGrad.inverse``): gradients reduced across
         devices or micro-batches with ``jax.lax.pmean``/``psum`` or ``jax.tree.map``. Reduce
         them with :func:`jax_adaloss.pmean` / :func:`jax_adaloss.psum` /
         :func:`jax_adaloss.tree_add` instead. Outside ``jit`` such an update raises.

@@ -411,8 +411,9 @@ def test_scale_heatmap_rows_have_their_own_log_range_and_casts_say_what_they_cas
     np.testing.assert_array_equal(shown[:2], [[0.0, 1.0], [0.0, 0.0]])
     assert list(low) == [10, 28, 3] and list(high) == [12, 28, 3] and np.isnan(shown[2, 0])
     casts = {"cast:0": "float16 → float32 (16, 64, 65) at /somewhere/jax_runner.py:212:17 (loss)"}
-    assert (plots.row_label("cast:0", casts)
-            == "cast:0: float16 → float32 (16, 64, 65) at jax_runner.py:212:17 (loss)")
+    assert plots.row_label("cast:0", casts) == "cast:0 f16→f32 (16, 64, 65) jax_runner.py:212 loss"
+    torch_site = {"cast:1": "float16 → float32 (8, 16, 40) at ToCopyBackward0"}
+    assert plots.row_label("cast:1", torch_site) == "cast:1 f16→f32 (8, 16, 40) at ToCopyBackward0"
     assert plots.row_label("params/a", casts) == "a"
     result = RunResult("adaloss-product", scales=scales, casts=casts)
     assert plots.scale_heatmap(result, tmp_path / "s.png").stat().st_size > 10_000

@@ -39,7 +39,7 @@ import torch
 
 from torch_bridge._xp import xp
 
-__all__ = ["BACKENDS", "CompileNotice", "FusedMath", "FusionSchedule"]
+__all__ = ["BACKENDS", "SAY_COMPILE_AFTER", "CompileNotice", "FusedMath", "FusionSchedule"]
 
 #: what :class:`FusedMath` compiles the traced decision with
 BACKENDS = ("inductor", "eager")

@@ -68,13 +68,18 @@ def underflow_over_steps(results: dict[str, RunResult], path: Path, threshold: f
 
 
 def row_label(name: str, casts: dict[str, str]) -> str:
-    """A heatmap row's label: the layer's weight, or for a cast (``cast:k``) what it casts (the
-    file of its site without its directory)."""
+    """A heatmap row's label: the layer's weight, or for a cast (``cast:k``) what it casts, in
+    short (``cast:7 f16→f32 (16, 64, 84) jax_runner.py:212 loss``: the dtypes, the widened
+    shape, the file and line of its site and the function)."""
     what = casts.get(name)
     if not what:
         return _short(name)
-    where = re.sub(r" at (?:.*/)?([^/]+)$", r" at \1", what)
-    return f"{_short(name)}: {where}"
+    what = re.sub(r"\bfloat(\d+)\b", r"f\1", what).replace(" → ", "→")
+    site = re.search(r" at (?:.*/)?([^/:\s]+):(\d+)(?::\d+)?(?: \((?:.*\.)?([^.()]+)\))?$", what)
+    if site:
+        file, line, fn = site.groups()
+        what = what[:site.start()] + f" {file}:{line}" + (f" {fn}" if fn else "")
+    return f"{_short(name)} {what}"
 
 
 def per_row(grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,17 +101,17 @@ def scale_heatmap(result: RunResult, path: Path, title: str | None = None) -> Pa
     layers = sorted({k for s in steps for k in result.scales[s]}, key=_natural)
     grid = np.array([[np.log2(result.scales[s].get(k, np.nan)) for s in steps] for k in layers])
     shown, low, high = per_row(grid)
-    fig, ax = plt.subplots(figsize=(9, 0.3 * len(layers) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(layers) + 1.8))
     im = ax.imshow(shown, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=1.0)
     casts = getattr(result, "casts", None) or {}
-    labels = [f"{row_label(k, casts)}  [2^{lo:.0f}..2^{hi:.0f}]" for k, lo, hi in zip(layers, low, high)]
+    labels = [f"{row_label(k, casts)}  2^{lo:.0f}..2^{hi:.0f}" for k, lo, hi in zip(layers, low, high)]
     ax.set_yticks(range(len(layers)), labels, fontsize=6)
     ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7, rotation=90)
-    ax.set(xlabel="step", title=f"{title or label(result.method)}: scale per layer, each row from its "
-                                "smallest (0) to its largest (1), log2")
-    fig.colorbar(im, ax=ax, label="position in the row's log2 range")
+    ax.set(xlabel="step", title=f"{title or label(result.method)}: each layer's scale over training\n"
+                                "(log2, each row over its own range, given beside its name)")
+    fig.colorbar(im, ax=ax, label="0: the row's smallest scale, 1: its largest")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # (the long row labels)
     plt.close(fig)
     return path
 
