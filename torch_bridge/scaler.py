@@ -500,7 +500,7 @@ class AdaLossScaler:
             f"load_state_dict(): a torch.amp.GradScaler state: its scale {growth.init_scale:g} starts "
             "the scale of global backwards and opaque regions (init_scale), with its growth_factor, "
             "backoff_factor and growth_interval; its growth tracker is dropped and the per-layer "
-            "decisions start fresh (they need no history)", stacklevel=2)
+            "decisions start fresh (they need no history)", stacklevel=_user_stacklevel())
         return IncompatibleLayers([], [])
 
     def _carry(self, scale: float) -> None:
